@@ -1,0 +1,159 @@
+"""A small DDP training job on CPU (gloo) or GPU (NCCL), watched by stragglerwatch,
+with an optional injected straggler.
+
+    torchrun --nproc_per_node 4 examples/train_ddp.py --steps 60 \
+        --slow-rank 2 --slowdown 0.02 --cause compute --from-step 10
+
+Injections (on ``--slow-rank`` from ``--from-step`` on, ``--slowdown`` seconds a step):
+- ``compute``: the rank's forward and backward take longer (a third in forward,
+  two thirds in backward), as on a throttled or weaker GPU;
+- ``data``: the rank's data loader takes longer to deliver each batch.
+The training loop itself is plain PyTorch: stragglerwatch only sees it through
+``attach(model)`` and ``watch.wrap(loader)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import stragglerwatch
+
+
+class Injection:
+    """Where and when the straggler is slow; ``step`` is advanced by the loop."""
+
+    def __init__(self, args: argparse.Namespace, rank: int):
+        self.active_rank = args.slow_rank == rank
+        self.cause = args.cause
+        self.delay = args.slowdown
+        self.from_step = args.from_step
+        self.step = 0
+
+    def delay_for(self, cause: str) -> float:
+        if self.active_rank and self.cause == cause and self.step >= self.from_step:
+            return self.delay
+        return 0.0
+
+
+class _Slow(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, delay: float) -> torch.Tensor:
+        ctx.delay = delay
+        time.sleep(delay / 3)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(2 * ctx.delay / 3)
+        return grad, None
+
+
+class Net(nn.Module):
+    def __init__(self, features: int, hidden: int, classes: int, injection: Injection):
+        super().__init__()
+        self.injection = injection
+        self.inp = nn.Linear(features, hidden)
+        self.body = nn.Sequential(nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        delay = self.injection.delay_for("compute")
+        if delay:  # on an activation that needs a gradient, so backward is slowed too
+            h = _Slow.apply(h, delay)
+        return self.body(h)
+
+
+class SlowLoader:
+    """The loader, with the data injection's delay before each batch (re-iterable per epoch)."""
+
+    def __init__(self, loader: DataLoader, injection: Injection):
+        self.loader = loader
+        self.injection = injection
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            delay = self.injection.delay_for("data")
+            if delay:
+                time.sleep(delay)
+            yield batch
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps to run (default 60)")
+    p.add_argument("--batch-size", type=int, default=64, help="samples per micro-batch (default 64)")
+    p.add_argument("--hidden", type=int, default=512, help="hidden width of the MLP (default 512)")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step, under no_sync() (default 1)")
+    p.add_argument("--slow-rank", type=int, default=-1, help="rank to slow down (default: none)")
+    p.add_argument("--slowdown", type=float, default=0.02, help="extra seconds per step on the slow rank (default 0.02)")
+    p.add_argument("--cause", choices=("compute", "data"), default="compute", help="what is slow (default compute)")
+    p.add_argument("--from-step", type=int, default=0, help="first slowed step (default 0)")
+    p.add_argument("--run-dir", default=None, help="run dir (default $STRAGGLERWATCH_RUN_DIR or ./stragglerwatch-runs/<id>)")
+    p.add_argument("--no-wrap", action="store_true", help="do not wrap the loader (data wait = gap before forward)")
+    p.add_argument("--no-watch", action="store_true", help="run without stragglerwatch (for comparison)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (default 1)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    injection = Injection(args, rank)
+    features, classes = 256, 10
+    model = DDP(Net(features, args.hidden, classes, injection).to(device), device_ids=[device] if use_cuda else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    n = args.batch_size * args.accum * world * 8
+    data = TensorDataset(torch.randn(n, features), torch.randint(0, classes, (n,)))
+    loader = DataLoader(data, batch_size=args.batch_size, sampler=DistributedSampler(data, world, rank))
+    watch = None if args.no_watch else stragglerwatch.attach(model, args.run_dir, optimizer=optimizer)
+    batches = SlowLoader(loader, injection)
+    source = watch.wrap(batches) if watch and not args.no_wrap else batches
+    loss_fn = nn.CrossEntropyLoss()
+    step, micro = 0, 0
+    t0 = time.perf_counter()
+    while step < args.steps:
+        for x, y in source:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            micro += 1
+            last_micro = micro % args.accum == 0
+            with nullcontext() if last_micro else model.no_sync():
+                loss = loss_fn(model(x), y)
+                loss.backward()
+            if not last_micro:
+                continue
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            injection.step = step
+            if step >= args.steps:
+                break
+    elapsed = time.perf_counter() - t0
+    if watch is not None:
+        watch.close()
+    dist.barrier()
+    if rank == 0:
+        where = f"; run dir {watch.run_dir}" if watch else ""
+        print(f"trained {step} steps on {world} ranks in {elapsed:.1f} s{where}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Per-rank, crash-safe, columnar step log, and ``load_run`` that reads a run dir back.
+
+Design: the training thread only appends finished :class:`StepMarks` to a deque
+(``submit``). A daemon thread wakes every ``flush_interval_s`` (default 1 s),
+resolves the marks (CUDA events lazily, with ``query()``), computes the records
+and appends one Arrow IPC *stream* record batch to ``rank-NNNNN.arrows``,
+flushing the file. A SIGKILL therefore loses at most the steps of the last
+interval; every earlier batch is complete and stays readable, and a batch cut
+in half is detected and dropped by the reader with a warning. On ``close`` the
+stream is compacted into ``rank-NNNNN.parquet`` (written to a temporary name and
+renamed atomically) so finished runs are read natively by DuckDB and Spark.
+
+Our failures never reach training: an error writing (disk full, read-only
+filesystem) becomes one warning and a counter; the log keeps going.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import warnings
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .runinfo import RUN_META, read_run_meta
+from .schema import RUN_COLUMNS, STEP_SCHEMA, StepRecord, records_to_batch, schema_compatible
+from .timing import StepMarks, anatomy
+
+#: Marks waiting for their CUDA events before the oldest are given up on.
+MAX_PENDING = 4096
+LOG_NAME = re.compile(r"^rank-(\d+)(?:\.(\d+))?\.(arrows|parquet)$")
+
+Resolver = Callable[[StepMarks, bool], "StepMarks | None"]
+
+
+class RunDirError(Exception):
+    """A path that cannot be read as a run dir; the message is one line for the user."""
+
+
+class RunDirWarning(UserWarning):
+    """A file of a run dir that was skipped or read only in part."""
+
+
+def _host_resolve(m: StepMarks, block: bool) -> StepMarks:
+    return m
+
+
+def log_path(run_dir: Path, rank: int) -> Path:
+    """A fresh segment name for this rank (a second attach in the same run dir appends a segment)."""
+    base = f"rank-{rank:05d}"
+    n = 0
+    while True:
+        stem = base if n == 0 else f"{base}.{n}"
+        if not (run_dir / f"{stem}.arrows").exists() and not (run_dir / f"{stem}.parquet").exists():
+            return run_dir / f"{stem}.arrows"
+        n += 1
+
+
+class EventLogWriter:
+    """Writes one rank's step records. ``submit`` is the only hot-path call."""
+
+    def __init__(
+        self,
+        path: Path,
+        rank: int,
+        wall_anchor: float,
+        *,
+        timing: str = "host",
+        resolve: Resolver | None = None,
+        flush_interval_s: float = 1.0,
+    ):
+        self.path = path
+        self.rank = rank
+        self.flush_interval_s = flush_interval_s
+        self.steps_written = 0
+        self.write_errors = 0
+        self.dropped_steps = 0
+        self._wall_anchor = wall_anchor
+        self._timing = timing
+        self._resolve = resolve or _host_resolve
+        self._queue: deque[StepMarks] = deque()
+        self._pending: deque[StepMarks] = deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._file = None
+        self._writer: pa.RecordBatchStreamWriter | None = None
+        self._thread = threading.Thread(target=self._run, name=f"stragglerwatch-log-{rank}", daemon=True)
+        self._thread.start()
+
+    def submit(self, marks: StepMarks) -> None:
+        self._queue.append(marks)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_interval_s):
+            self.flush()
+
+    def flush(self, block: bool = False) -> None:
+        """Write every step whose marks are resolved (all of them when ``block``)."""
+        with self._lock:
+            try:
+                records = self._take_resolved(block)
+            except Exception as exc:  # a broken event must not kill the thread
+                self._fail(f"could not resolve step timings: {exc}")
+                return
+            if records:
+                self._write(records)
+
+    def _take_resolved(self, block: bool) -> list[StepRecord]:
+        while self._queue:
+            self._pending.append(self._queue.popleft())
+        records = []
+        while self._pending:
+            resolved = self._resolve(self._pending[0], block)
+            if resolved is None:
+                break
+            self._pending.popleft()
+            records.append(anatomy(resolved, self.rank, self._wall_anchor, self._timing))
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popleft()
+            self.dropped_steps += 1
+        return records
+
+    def _fail(self, message: str) -> None:
+        self.write_errors += 1
+        if self.write_errors == 1:
+            warnings.warn(f"stragglerwatch: {message} (training continues; further errors counted)", stacklevel=2)
+
+    def _write(self, records: list[StepRecord]) -> None:
+        try:
+            if self._writer is None:
+                self._file = open(self.path, "wb")  # noqa: SIM115 - lives as long as the writer
+                self._writer = pa.ipc.new_stream(self._file, STEP_SCHEMA)
+            self._writer.write_batch(records_to_batch(records))
+            self._file.flush()
+            self.steps_written += len(records)
+        except Exception as exc:
+            self.dropped_steps += len(records)
+            self._fail(f"cannot write {self.path}: {exc}")
+
+    def close(self) -> None:
+        """Stop the thread, write every remaining step, compact to Parquet."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.flush(block=True)
+        with self._lock:
+            if self._writer is None:
+                return
+            try:
+                self._writer.close()
+                self._file.close()
+                _compact(self.path)
+            except Exception as exc:
+                self._fail(f"cannot finish {self.path}: {exc}")
+            self._writer = None
+
+
+def _compact(stream_path: Path) -> None:
+    with pa.OSFile(str(stream_path), "rb") as src:
+        table = pa.ipc.open_stream(src).read_all()
+    final = stream_path.with_suffix(".parquet")
+    tmp = final.with_name(final.name + ".tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, final)
+    stream_path.unlink()
+
+
+# -- reading ---------------------------------------------------------------
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RunDirWarning, stacklevel=3)
+
+
+def _read_stream(path: Path) -> pa.Table | None:
+    batches = []
+    try:
+        with pa.OSFile(str(path), "rb") as src:
+            reader = pa.ipc.open_stream(src)
+            problem = schema_compatible(reader.schema)
+            if problem:
+                _warn(f"{path}: skipped: {problem}")
+                return None
+            try:
+                for batch in reader:
+                    batches.append(batch)
+            except (pa.ArrowInvalid, OSError, EOFError) as exc:
+                _warn(f"{path}: truncated after {sum(len(b) for b in batches)} steps (rank killed?): {exc}")
+            return pa.Table.from_batches(batches, schema=reader.schema)
+    except (pa.ArrowInvalid, OSError, EOFError) as exc:
+        if path.stat().st_size == 0:
+            return None  # created, nothing flushed yet
+        _warn(f"{path}: skipped: not an Arrow stream ({exc})")
+        return None
+
+
+def _read_parquet(path: Path) -> pa.Table | None:
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        _warn(f"{path}: skipped: unreadable Parquet ({exc})")
+        return None
+    problem = schema_compatible(table.schema)
+    if problem:
+        _warn(f"{path}: skipped: {problem}")
+        return None
+    return table
+
+
+def log_files(run_dir: Path) -> list[Path]:
+    """The step logs of a run dir (a segment compacted to Parquet is read once)."""
+    found = {}
+    for p in sorted(run_dir.iterdir()):
+        match = LOG_NAME.match(p.name)
+        if match:
+            stem = p.name.rsplit(".", 1)[0]
+            if match.group(3) == "parquet" or stem not in found:
+                found[stem] = p
+    return sorted(found.values())
+
+
+def load_run(run_dir: str | os.PathLike[str]) -> pd.DataFrame:
+    """One row per (rank, step) of a run dir: the step anatomy plus ``world_size``.
+
+    Raises :class:`RunDirError` for a path that is not a run dir; files that are
+    truncated, foreign or of another schema version are skipped or read in part
+    with a :class:`RunDirWarning` that names them.
+    """
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise RunDirError(f"{path}: not a directory")
+    meta = read_run_meta(path)
+    files = log_files(path)
+    if meta is None and not files:
+        raise RunDirError(f"{path}: not a stragglerwatch run dir (no {RUN_META}, no rank-*.arrows/.parquet)")
+    if meta is None:
+        _warn(f"{path / RUN_META}: missing or unreadable; world size taken from the logs")
+    tables = []
+    for f in files:
+        table = _read_parquet(f) if f.suffix == ".parquet" else _read_stream(f)
+        if table is not None and table.num_rows:
+            tables.append(table.select(STEP_SCHEMA.names).cast(STEP_SCHEMA))
+    if tables:
+        frame = pa.concat_tables(tables).to_pandas()
+    else:
+        frame = STEP_SCHEMA.empty_table().to_pandas()
+    ranks = set(frame["rank"].unique().tolist())
+    world = int(meta["world_size"]) if meta else (max(ranks) + 1 if ranks else 0)
+    missing = sorted(set(range(world)) - ranks)
+    if missing and tables:
+        shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+        _warn(f"{path}: no steps from rank(s) {shown} of {world}")
+    frame["world_size"] = world
+    frame = frame.sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
+    return frame[list(RUN_COLUMNS)]

@@ -1,0 +1,209 @@
+"""``attach()``: put the probes on a model and start this rank's event log.
+
+Design: ``attach`` validates first (so a refused model leaves nothing behind),
+then writes the run metadata, starts the log thread and registers the hooks.
+Everything it registered is remembered in the returned :class:`Watch`, whose
+``close()`` removes it again. The one exception is DDP's communication hook,
+which PyTorch cannot unregister: after ``close()`` it is a pass-through to the
+wrapped hook, at the cost of one attribute check per bucket.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from .eventlog import EventLogWriter, log_path
+from .probes import StepProbe, TimedIterable, cuda_mark
+from .runinfo import RunInfo, discover, write_meta
+from .timing import resolve_cuda
+
+CommHook = tuple[Any, Callable[[Any, Any], torch.futures.Future]]
+
+
+def _disabled_by_env() -> bool:
+    return os.environ.get("STRAGGLERWATCH_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _check_comm_hook_free(model: torch.nn.Module) -> None:
+    if isinstance(model, DistributedDataParallel) and model._comm_hooks:
+        raise RuntimeError(
+            "stragglerwatch: this DDP model already has a communication hook and PyTorch allows only one. "
+            "Call attach() before register_comm_hook() and pass yours as "
+            "attach(model, comm_hook=(state, hook)); stragglerwatch times it instead of the default all-reduce."
+        )
+
+
+class Watch:
+    """Handle on a watched model: ``wrap`` a loader, ``close`` when done (or use ``with``)."""
+
+    def __init__(
+        self,
+        info: RunInfo | None = None,
+        probe: StepProbe | None = None,
+        writer: EventLogWriter | None = None,
+        handles: list[Any] | None = None,
+    ):
+        self.info = info
+        self._probe = probe
+        self._writer = writer
+        self._handles = handles or []
+        self._closed = probe is None
+
+    @property
+    def enabled(self) -> bool:
+        return not self._closed
+
+    @property
+    def run_dir(self) -> Path | None:
+        return self.info.run_dir if self.info else None
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps recorded so far on this rank."""
+        return self._probe.steps if self._probe else 0
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the event log: steps written, steps dropped, write errors."""
+        w = self._writer
+        if w is None:
+            return {"steps_written": 0, "dropped_steps": 0, "write_errors": 0}
+        return {"steps_written": w.steps_written, "dropped_steps": w.dropped_steps, "write_errors": w.write_errors}
+
+    def wrap(self, iterable: Iterable[Any]) -> Iterable[Any]:
+        """Time every ``next()`` on ``iterable`` as data wait (exactly, instead of the
+        gap before the first forward). Returns a re-iterable wrapper."""
+        if self._probe is None or self._closed:
+            return iterable
+        return self._probe.wrap(iterable)
+
+    def flush(self) -> None:
+        """Write every finished step now (the log thread also does so every second)."""
+        if self._writer is not None and not self._closed:
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Remove the hooks, write the remaining steps and finish the log. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._probe is not None:
+            self._probe.enabled = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._writer is not None:
+            self._writer.close()
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self.info is None:
+            return "Watch(disabled)"
+        state = "closed" if self._closed else "open"
+        return f"Watch(run={self.info.run_id!r}, rank={self.info.rank}, steps={self.steps}, {state})"
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    watch = ref()
+    if watch is not None:
+        watch.close()
+
+
+def attach(
+    model: torch.nn.Module,
+    run_dir: str | os.PathLike[str] | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    watchdog_timeout_s: float | None = None,
+    prometheus_port: int | None = None,
+    enabled: bool = True,
+    comm_hook: CommHook | None = None,
+    flush_interval_s: float = 1.0,
+) -> Watch:
+    """Record this rank's step anatomy for ``model`` (a DDP module, or a plain module
+    in one process) into ``run_dir`` (default ``$STRAGGLERWATCH_RUN_DIR`` or
+    ``./stragglerwatch-runs/<run id>``), without changing the training loop.
+
+    ``optimizer``: whose ``step()`` ends a training step; by default the first
+    optimizer seen stepping. ``comm_hook``: ``(state, hook)`` of your own DDP
+    communication hook, which is then timed instead of the default all-reduce.
+    ``watchdog_timeout_s`` and ``prometheus_port`` are accepted and reserved for
+    the watchdog and the exporter. ``enabled=False`` or ``STRAGGLERWATCH_DISABLE=1``
+    returns a no-op :class:`Watch`.
+    """
+    if not enabled or _disabled_by_env():
+        return Watch()
+    _check_comm_hook_free(model)
+    info = discover(run_dir)
+    on_gpu = _model_device(model).type == "cuda"
+    timing = "cuda" if on_gpu else "host"
+    config = {
+        "flush_interval_s": flush_interval_s,
+        "watchdog_timeout_s": watchdog_timeout_s,
+        "prometheus_port": prometheus_port,
+        "ddp": isinstance(model, DistributedDataParallel),
+    }
+    try:
+        write_meta(info, config, {"device": str(_model_device(model)), "timing": timing})
+        path = log_path(info.run_dir, info.rank)
+    except OSError as exc:
+        warnings.warn(f"stragglerwatch: cannot write run dir {info.run_dir} ({exc}); not recording", stacklevel=2)
+        return Watch()
+    wall_anchor = time.time() - time.perf_counter()
+    writer = EventLogWriter(
+        path,
+        info.rank,
+        wall_anchor,
+        timing=timing,
+        resolve=resolve_cuda if on_gpu else None,
+        flush_interval_s=flush_interval_s,
+    )
+    probe = StepProbe(writer.submit, cuda_mark if on_gpu else None)
+    handles = [
+        model.register_forward_pre_hook(probe.on_forward_pre),
+        model.register_forward_hook(probe.on_forward),
+    ]
+    if optimizer is not None:
+        handles.append(optimizer.register_step_pre_hook(probe.on_optimizer_pre))
+        handles.append(optimizer.register_step_post_hook(probe.on_optimizer_post))
+    else:
+        handles.append(torch.optim.optimizer.register_optimizer_step_pre_hook(probe.on_optimizer_pre))
+        handles.append(torch.optim.optimizer.register_optimizer_step_post_hook(probe.on_optimizer_post))
+    watch = Watch(info, probe, writer, handles)
+    if isinstance(model, DistributedDataParallel):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        state, inner = comm_hook if comm_hook is not None else (model.process_group, allreduce_hook)
+        try:
+            model.register_comm_hook(None, probe.comm_hook(inner, state))
+        except RuntimeError as exc:
+            watch.close()
+            raise RuntimeError(
+                f"stragglerwatch: cannot add its DDP communication hook ({exc}); "
+                "attach before registering any comm hook and pass yours as attach(model, comm_hook=(state, hook))"
+            ) from None
+    atexit.register(_close_at_exit, weakref.ref(watch))
+    return watch
+
+
+__all__ = ["Watch", "attach", "TimedIterable"]
