@@ -73,8 +73,8 @@ class StepProbe:
         """Optimizer steps completed so far."""
         return self._next_step
 
-    def _begin(self) -> StepMarks:
-        host = self._now()
+    def _begin(self, host: float | None = None) -> StepMarks:
+        host = self._now() if host is None else host
         mark = host if self._mark is self._now else self._mark()
         self._cur = StepMarks(self._next_step, mark, host, self._data_from_gap)
         return self._cur
@@ -92,12 +92,12 @@ class StepProbe:
         it = iter(iterable)
         while True:
             t0 = now()
+            m = self._cur or self._begin(t0) if self.enabled else None  # the first step starts here
             try:
                 item = next(it)
             except StopIteration:
                 return
-            if self.enabled:
-                m = self._cur or self._begin()
+            if m is not None:
                 m.data_wait_s += now() - t0
             yield item
 

@@ -35,8 +35,7 @@ def render_summary(summary: pd.DataFrame, world_size: int) -> str:
         return "no steps recorded yet"
     steps = int(summary["steps"].max())
     lines = [
-        f"{len(summary)} of {world_size} ranks, {steps} steps; medians in ms; "
-        "busy = step - exposed all-reduce wait",
+        f"{len(summary)} of {world_size} ranks, {steps} steps; medians in ms; busy = step - exposed all-reduce wait",
         f"{'rank':>5} {'steps':>6} {'step':>7} {'busy':>7} {'data':>6} {'fwd':>6} {'bwd':>6} "
         f"{'ar_wait':>7} {'opt':>5} {'other':>6} {'vs peers':>8}",
     ]

@@ -65,7 +65,8 @@ def _agree_run_id(dist: Any, rank: int) -> str:
     except Exception as exc:  # store unreachable: fall back to what torchrun gives every rank
         fallback = os.environ.get("TORCHELASTIC_RUN_ID", "")
         run_id = f"job-{fallback}" if fallback and fallback != "none" else "job-" + time.strftime("%Y%m%d")
-        warnings.warn(f"stragglerwatch: could not agree on a run id through the store ({exc}); using {run_id}")
+        message = f"stragglerwatch: could not agree on a run id through the store ({exc}); using {run_id}"
+        warnings.warn(message, stacklevel=3)
         return run_id
 
 
@@ -77,8 +78,8 @@ def discover(run_dir: str | os.PathLike[str] | None = None) -> RunInfo:
     else:
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    run_dir = run_dir or os.environ.get("STRAGGLERWATCH_RUN_DIR")
-    run_id = os.environ.get("STRAGGLERWATCH_RUN_ID")
+    run_dir = run_dir or os.environ.get("STRAGGLERWATCH_RUN_DIR") or None
+    run_id = os.environ.get("STRAGGLERWATCH_RUN_ID") or None
     if run_dir is not None:
         path = Path(run_dir)
         run_id = run_id or path.resolve().name

@@ -72,9 +72,9 @@ RUN_COLUMNS = (*StepRecord._fields, "world_size")
 
 def records_to_batch(records: list[StepRecord]) -> pa.RecordBatch:
     """Columnar batch of records, in the order given."""
-    columns = list(zip(*records)) if records else [() for _ in StepRecord._fields]
+    columns = list(zip(*records, strict=True)) if records else [() for _ in StepRecord._fields]
     return pa.RecordBatch.from_arrays(
-        [pa.array(col, type=f.type) for col, f in zip(columns, STEP_SCHEMA)],
+        [pa.array(col, type=f.type) for col, f in zip(columns, STEP_SCHEMA, strict=True)],
         schema=STEP_SCHEMA,
     )
 

@@ -92,8 +92,8 @@ def anatomy(m: StepMarks, rank: int, wall_anchor: float, timing: str = "host") -
     """
     start, end = m.start, m.end
     step_s = max(0.0, end - start)
-    forward_s = sum(e - s for s, e in zip(m.fwd_start, m.fwd_end))
-    backward_s = sum(e - s for s, e in zip(m.bwd_start, m.bwd_end))
+    forward_s = sum(e - s for s, e in zip(m.fwd_start, m.fwd_end, strict=False))
+    backward_s = sum(e - s for s, e in zip(m.bwd_start, m.bwd_end, strict=False))
     if m.bwd_end:
         compute_end = m.bwd_end[-1]
     elif m.ready:

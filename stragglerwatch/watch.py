@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .eventlog import EventLogWriter, log_path
 from .probes import StepProbe, TimedIterable, cuda_mark
@@ -187,8 +188,8 @@ def attach(
         handles.append(optimizer.register_step_pre_hook(probe.on_optimizer_pre))
         handles.append(optimizer.register_step_post_hook(probe.on_optimizer_post))
     else:
-        handles.append(torch.optim.optimizer.register_optimizer_step_pre_hook(probe.on_optimizer_pre))
-        handles.append(torch.optim.optimizer.register_optimizer_step_post_hook(probe.on_optimizer_post))
+        handles.append(register_optimizer_step_pre_hook(probe.on_optimizer_pre))
+        handles.append(register_optimizer_step_post_hook(probe.on_optimizer_post))
     watch = Watch(info, probe, writer, handles)
     if isinstance(model, DistributedDataParallel):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook

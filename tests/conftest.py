@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from stragglerwatch.runinfo import RunInfo, write_meta
+from stragglerwatch.timing import StepMarks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fake_step(step: int, t0: float, busy: float = 0.01, wait: float = 0.005) -> StepMarks:
+    """Host marks of one plain DDP step starting at ``t0`` (perf-counter seconds)."""
+    m = StepMarks(step, t0, t0)
+    m.fwd_start, m.fwd_end = [t0 + 0.001], [t0 + 0.004]
+    m.bwd_start, m.bwd_end = [t0 + 0.004], [t0 + busy - 0.002]
+    m.ready, m.done = [(0, t0 + busy - 0.002)], [(0, t0 + busy - 0.002 + wait)]
+    m.opt_start, m.end = t0 + busy - 0.001 + wait, t0 + busy + wait
+    return m
+
+
+@pytest.fixture
+def make_run(tmp_path: Path):
+    """``make_run(world_size)`` writes run metadata for each rank into a fresh run dir."""
+
+    def make(world_size: int = 2) -> Path:
+        run_dir = tmp_path / "run"
+        for rank in range(world_size):
+            info = RunInfo("test-run", run_dir, rank, rank, world_size, "host-a")
+            write_meta(info, {"test": True}, {"device": "cpu", "timing": "host"})
+        return run_dir
+
+    return make
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 180, env: dict | None = None):
+    """Run ``script`` under torchrun with ``nproc`` CPU ranks; fail (not hang) past ``timeout_s``."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout_s, env=full_env, cwd=ROOT)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc

@@ -1,0 +1,112 @@
+"""attach() on a plain module in one process: no torch.distributed needed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import stragglerwatch
+from stragglerwatch.schema import PHASE_COLUMNS
+
+
+class SlowData:
+    def __init__(self, n: int, delay: float):
+        self.n, self.delay = n, delay
+
+    def __iter__(self):
+        for _ in range(self.n):
+            time.sleep(self.delay)
+            yield torch.randn(8, 16), torch.randn(8, 4)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, batches, evaluate: bool = False) -> None:
+    for x, y in batches:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if evaluate:
+            with torch.no_grad():
+                model(x)
+
+
+def hook_counts(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, ...]:
+    from torch.optim import optimizer as optim_mod
+
+    return (
+        len(model._forward_pre_hooks),
+        len(model._forward_hooks),
+        len(opt._optimizer_step_pre_hooks),
+        len(opt._optimizer_step_post_hooks),
+        len(optim_mod._global_optimizer_pre_hooks),
+        len(optim_mod._global_optimizer_post_hooks),
+    )
+
+
+@pytest.mark.parametrize("explicit_optimizer", [True, False])
+def test_plain_module_records_every_step_and_close_removes_hooks(tmp_path: Path, explicit_optimizer: bool) -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = hook_counts(model, opt)
+    watch = stragglerwatch.attach(model, tmp_path / "run", optimizer=opt if explicit_optimizer else None)
+    assert hook_counts(model, opt) != before
+    train(model, opt, watch.wrap(SlowData(6, 0.02)), evaluate=True)
+    assert watch.steps == 6
+    watch.close()
+    assert hook_counts(model, opt) == before, "close() must remove every hook"
+    train(model, opt, SlowData(2, 0.0))  # training goes on, unrecorded
+    df = stragglerwatch.load_run(tmp_path / "run")
+    assert df["step"].tolist() == list(range(6))
+    assert (df["micro_batches"] == 1).all(), "no_grad evaluation forwards are not training forwards"
+    assert df["data_wait_s"].min() >= 0.018, "wrapped loader time is the data wait"
+    assert (df["forward_s"] > 0).all() and (df["backward_s"] > 0).all() and (df["optimizer_s"] > 0).all()
+    assert (df["allreduce_wait_s"] == 0).all() and df["bucket_index"].map(len).eq(0).all()
+    assert (df[list(PHASE_COLUMNS)].sum(axis=1) - df["step_s"]).abs().max() < 1e-9
+    assert (df["busy_s"] == df["step_s"]).all()
+
+
+def test_gap_before_forward_is_data_wait_without_wrap(tmp_path: Path) -> None:
+    model = nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with stragglerwatch.attach(model, tmp_path / "run", optimizer=opt) as watch:
+        train(model, opt, SlowData(4, 0.015))
+        assert repr(watch).startswith("Watch(run='run', rank=0, steps=4")
+    df = stragglerwatch.load_run(tmp_path / "run")
+    assert len(df) == 4
+    # step 0 starts at its first forward (nothing earlier is known); later steps wait ~15 ms
+    assert df["data_wait_s"].iloc[1:].min() >= 0.013
+
+
+def test_disabled_is_a_no_op(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = hook_counts(model, opt)
+    for watch in (
+        stragglerwatch.attach(model, tmp_path / "a", enabled=False),
+        (monkeypatch.setenv("STRAGGLERWATCH_DISABLE", "1"), stragglerwatch.attach(model, tmp_path / "b"))[1],
+    ):
+        assert not watch.enabled and hook_counts(model, opt) == before
+        data = [1, 2]
+        assert watch.wrap(data) is data
+        watch.close()
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_default_run_dir_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STRAGGLERWATCH_RUN_DIR", str(tmp_path / "from-env"))
+    model = nn.Linear(4, 4)
+    with stragglerwatch.attach(model) as watch:
+        assert watch.run_dir == tmp_path / "from-env"
+    assert (tmp_path / "from-env" / "run.json").exists()
+    monkeypatch.delenv("STRAGGLERWATCH_RUN_DIR")
+    monkeypatch.chdir(tmp_path)
+    with stragglerwatch.attach(model) as watch:
+        assert watch.run_dir.parent == Path("stragglerwatch-runs")
+    assert (tmp_path / watch.run_dir / "rank-00000.json").exists()

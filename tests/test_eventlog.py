@@ -1,0 +1,160 @@
+"""The event log: writing, crash safety, and reading bad run dirs with clear messages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import fake_step
+
+from stragglerwatch import RunDirError, RunDirWarning, load_run
+from stragglerwatch.cli import main as cli_main
+from stragglerwatch.eventlog import EventLogWriter, log_path
+from stragglerwatch.schema import RUN_COLUMNS, SCHEMA_VERSION
+
+
+def write_steps(run_dir: Path, rank: int, n: int, busy: float = 0.01, close: bool = True) -> EventLogWriter:
+    w = EventLogWriter(log_path(run_dir, rank), rank, wall_anchor=1e9, flush_interval_s=60)
+    t = 100.0
+    for s in range(n):
+        m = fake_step(s, t, busy=busy)
+        w.submit(m)
+        t = m.end
+    if close:
+        w.close()
+    else:
+        w.flush()
+    return w
+
+
+def test_roundtrip_and_compaction(make_run) -> None:
+    run = make_run(2)
+    write_steps(run, 0, 5)
+    write_steps(run, 1, 5, busy=0.02)
+    assert sorted(p.name for p in run.glob("rank-*.parquet")) == ["rank-00000.parquet", "rank-00001.parquet"]
+    assert not list(run.glob("*.arrows")), "close() compacts the stream into Parquet"
+    df = load_run(run)
+    assert list(df.columns) == list(RUN_COLUMNS)
+    assert len(df) == 10 and set(df["world_size"]) == {2}
+    assert df.groupby("rank")["busy_s"].median().round(4).to_dict() == {0: 0.01, 1: 0.02}
+    assert (df["step_s"] - df["busy_s"]).round(6).eq(0.005).all()
+    meta = pq.read_schema(run / "rank-00000.parquet").metadata
+    assert meta[b"stragglerwatch.schema_version"] == SCHEMA_VERSION.encode()
+
+
+def test_duckdb_reads_the_logs(make_run) -> None:
+    duckdb = pytest.importorskip("duckdb")
+    run = make_run(2)
+    write_steps(run, 0, 4)
+    write_steps(run, 1, 4)
+    rows = duckdb.sql(
+        f"select rank, count(*) from read_parquet('{run}/rank-*.parquet') group by rank order by rank"
+    ).fetchall()
+    assert rows == [(0, 4), (1, 4)]
+
+
+def test_open_stream_is_readable_while_running(make_run) -> None:
+    run = make_run(1)
+    w = write_steps(run, 0, 7, close=False)
+    assert (run / "rank-00000.arrows").exists()
+    assert len(load_run(run)) == 7
+    w.close()
+
+
+def test_truncated_stream_keeps_complete_batches(make_run) -> None:
+    run = make_run(1)
+    w = EventLogWriter(log_path(run, 0), 0, 0.0, flush_interval_s=60)
+    t = 0.0
+    for batch in range(3):
+        for s in range(4):
+            m = fake_step(batch * 4 + s, t)
+            w.submit(m)
+            t = m.end
+        w.flush()
+    path = run / "rank-00000.arrows"
+    size = path.stat().st_size
+    with open(path, "r+b") as f:  # cut the last batch in half, as a kill mid-write would
+        f.truncate(size - 200)
+    with pytest.warns(RunDirWarning, match=r"rank-00000.arrows: truncated after 8 steps"):
+        df = load_run(run)
+    assert df["step"].tolist() == list(range(8))
+
+
+def test_foreign_and_other_version_files_are_named_and_skipped(make_run) -> None:
+    run = make_run(3)
+    write_steps(run, 0, 3)
+    (run / "rank-00001.arrows").write_bytes(b"this is not arrow at all")
+    other = pa.schema([("rank", pa.int32())], metadata={b"stragglerwatch.schema_version": b"9.0"})
+    pq.write_table(pa.table({"rank": [2]}, schema=other), run / "rank-00002.parquet")
+    with pytest.warns(RunDirWarning) as record:
+        df = load_run(run)
+    messages = " | ".join(str(w.message) for w in record)
+    assert "rank-00001.arrows: skipped: not an Arrow stream" in messages
+    assert "rank-00002.parquet: skipped: schema version 9.0" in messages
+    assert "no steps from rank(s) 1, 2 of 3" in messages
+    assert df["rank"].unique().tolist() == [0]
+
+
+def test_missing_run_meta_warns_and_infers_world(make_run) -> None:
+    run = make_run(2)
+    write_steps(run, 0, 2)
+    write_steps(run, 1, 2)
+    (run / "run.json").unlink()
+    with pytest.warns(RunDirWarning, match="run.json: missing"):
+        df = load_run(run)
+    assert set(df["world_size"]) == {2}
+
+
+def test_not_a_run_dir(tmp_path: Path) -> None:
+    with pytest.raises(RunDirError, match="not a directory"):
+        load_run(tmp_path / "nope")
+    (tmp_path / "x.txt").write_text("hello")
+    with pytest.raises(RunDirError, match="not a stragglerwatch run dir"):
+        load_run(tmp_path)
+
+
+def test_empty_run_has_columns_and_no_rows(make_run) -> None:
+    run = make_run(2)
+    df = load_run(run)
+    assert len(df) == 0 and list(df.columns) == list(RUN_COLUMNS)
+
+
+def test_write_failure_is_a_warning_and_a_counter(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    w = EventLogWriter(blocker / "rank-00000.arrows", 0, 0.0, flush_interval_s=60)
+    w.submit(fake_step(0, 0.0))
+    with pytest.warns(UserWarning, match="cannot write"):
+        w.flush()
+    w.submit(fake_step(1, 1.0))
+    w.flush()  # second failure: counted, not warned again
+    w.close()
+    assert w.write_errors >= 2 and w.dropped_steps == 2 and w.steps_written == 0
+
+
+def test_second_attach_in_same_run_dir_appends_a_segment(make_run) -> None:
+    run = make_run(1)
+    write_steps(run, 0, 2)
+    assert log_path(run, 0).name == "rank-00000.1.arrows"
+    write_steps(run, 0, 3)
+    assert len(load_run(run)) == 5
+
+
+def test_cli_summary_and_errors(make_run, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    run = make_run(3)
+    for rank in range(3):
+        write_steps(run, rank, 6, busy=0.03 if rank == 1 else 0.01)
+    assert cli_main(["summary", str(run)]) == 0
+    out = capsys.readouterr().out
+    line = next(s for s in out.splitlines() if s.split()[:1] == ["1"])
+    assert "<- slowest" in line and "3.00x" in line
+    assert cli_main(["summary", str(run), "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["world_size"] == 3 and data["steps"] == 6
+    assert max(data["ranks"], key=lambda r: r["busy_vs_peers"])["rank"] == 1
+    assert cli_main(["summary", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("stragglerwatch: error:") and len(err.strip().splitlines()) == 1
