@@ -101,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--from-step", type=int, default=0, help="first slowed step (default 0)")
     p.add_argument("--run-dir", help="run dir (default $STRAGGLERWATCH_RUN_DIR or ./stragglerwatch-runs/<id>)")
     p.add_argument("--no-wrap", action="store_true", help="do not wrap the loader (data wait = gap before forward)")
+    p.add_argument("--bucket-timings", action="store_true", help="also time each gradient bucket (comm hook)")
     p.add_argument("--no-watch", action="store_true", help="run without stragglerwatch (for comparison)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (default 1)")
     return p.parse_args(argv)
@@ -123,7 +124,11 @@ def main(argv: list[str] | None = None) -> None:
     n = args.batch_size * args.accum * world * 8
     data = TensorDataset(torch.randn(n, features), torch.randint(0, classes, (n,)))
     loader = DataLoader(data, batch_size=args.batch_size, sampler=DistributedSampler(data, world, rank))
-    watch = None if args.no_watch else stragglerwatch.attach(model, args.run_dir, optimizer=optimizer)
+    watch = (
+        None
+        if args.no_watch
+        else stragglerwatch.attach(model, args.run_dir, optimizer=optimizer, bucket_timings=args.bucket_timings)
+    )
     batches = SlowLoader(loader, injection)
     source = watch.wrap(batches) if watch and not args.no_wrap else batches
     loss_fn = nn.CrossEntropyLoss()

@@ -7,13 +7,21 @@ allocation beyond the mark itself. A finished step's marks are handed to a
 ``sink`` (the event log's queue) at the optimizer step's post-hook.
 
 Boundaries:
-- forward: pre/post hooks on the (DDP) module, counted only with grad enabled
-  (evaluation forwards fall into ``other``);
+- forward: the (DDP) module's ``forward`` is shadowed by a timing wrapper
+  (an instance attribute, removed on close). Module forward hooks would do the
+  same but push every call onto ``nn.Module``'s slow path, which costs more
+  than all the rest of the probe. Counted only with grad enabled (evaluation
+  forwards fall into ``other``);
 - backward start: a hook on the model output's gradient, which also queues an
   autograd-engine callback that fires when the backward graph is done;
-- gradient buckets: a DDP communication hook that wraps the all-reduce (or the
-  user's own hook) and marks when each bucket is ready and when its all-reduce
-  completed (in the future's ``then`` callback, in stream order on GPU);
+- all-reduce done: that callback queues a second one, which the engine runs
+  after DDP's own end-of-backward callback (queued when the last bucket became
+  ready) has waited for every bucket's all-reduce. This times the exposed
+  communication with DDP's built-in C++ all-reduce left untouched;
+- gradient buckets (optional): a DDP communication hook that wraps the
+  all-reduce (or the user's own hook) and marks when each bucket is ready and
+  when its all-reduce completed (in the future's ``then`` callback, in stream
+  order on GPU). A Python comm hook costs host time per bucket, hence opt-in;
 - step end: the optimizer's step post-hook. Under ``no_sync()`` accumulation
   several forwards/backwards belong to one optimizer step.
 """
@@ -56,8 +64,9 @@ class StepProbe:
     training thread drives it; only the all-reduce ``then`` callbacks run
     elsewhere, and they only append to the list of the step they belong to."""
 
-    def __init__(self, sink: Sink, mark: Callable[[], Any] | None = None):
+    def __init__(self, sink: Sink, mark: Callable[[], Any] | None = None, syncing: Callable[[], bool] | None = None):
         self._sink = sink
+        self._syncing = syncing  # DDP: does this backward all-reduce (not under no_sync())?
         self._now = time.perf_counter
         self._mark = mark or self._now
         self._data_from_gap = True
@@ -106,6 +115,8 @@ class StepProbe:
         if not self.enabled or not torch.is_grad_enabled():
             return
         m = self._cur or self._begin()
+        if self._fwd_open:  # the previous forward raised: drop its dangling start
+            m.fwd_start.pop()
         self._fwd_open = True
         m.fwd_start.append(self._mark())
 
@@ -128,30 +139,52 @@ class StepProbe:
 
     def _on_backward_end(self) -> None:
         self._in_backward = False
-        if self._cur is not None:
-            self._cur.bwd_end.append(self._mark())
+        m = self._cur
+        if m is None:
+            return
+        m.bwd_end.append(self._mark())
+        if self._syncing is not None and self._syncing():
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_synced)
 
-    def comm_hook(self, inner: Callable[[Any, Any], torch.futures.Future], state: Any) -> Callable:
-        """A DDP communication hook that times ``inner(state, bucket)``."""
+    def _on_synced(self) -> None:
+        m = self._cur
+        if m is not None and m.bwd_end:
+            m.sync.append((m.bwd_end[-1], self._mark()))
+
+    def comm_hook(self, inner: Callable[[Any, Any], torch.futures.Future] | None, state: Any) -> Callable:
+        """A DDP communication hook timing ``inner(state, bucket)``; ``inner=None``
+        times an averaging all-reduce on process group ``state`` (issued on the
+        group directly: the Python ``dist.all_reduce`` wrapper costs host time)."""
+        mark = self._mark
+
+        def launch(bucket: Any) -> torch.futures.Future:
+            if inner is not None:
+                return inner(state, bucket)
+            buf = bucket.buffer()
+            buf.div_(state.size())
+            return state.allreduce([buf]).get_future()
+
+        def unwrap(fut: torch.futures.Future) -> Any:
+            value = fut.value()
+            return value[0] if inner is None else value
 
         # DDP inspects the signature: the parameter must be named ``bucket`` and
         # carry no (string) annotation, hence none here.
         def hook(_state, bucket):  # type: ignore[no-untyped-def]
             m = self._cur
             if m is None or not self.enabled:
-                return inner(state, bucket)
+                return launch(bucket).then(unwrap)
             idx = bucket.index()
-            mark = self._mark
             m.ready.append((idx, mark()))
             done = m.done
 
             def on_done(fut: torch.futures.Future) -> Any:
                 done.append((idx, mark()))
-                return fut.value()
+                return unwrap(fut)
 
-            return inner(state, bucket).then(on_done)
+            return launch(bucket).then(on_done)
 
-        hook.__qualname__ = f"stragglerwatch({getattr(inner, '__qualname__', 'hook')})"
+        hook.__qualname__ = f"stragglerwatch({getattr(inner, '__qualname__', 'allreduce')})"
         return hook
 
     # -- optimizer --------------------------------------------------------
@@ -196,3 +229,30 @@ class TimedIterable:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._iterable, name)
+
+
+class ForwardTimer:
+    """Shadows ``model.forward`` with a wrapper calling the probe around it; ``remove()`` undoes it."""
+
+    def __init__(self, model: torch.nn.Module, probe: StepProbe):
+        self._model = model
+        self._previous = model.__dict__.get("forward")  # somebody else's instance-level forward
+        inner = model.forward
+        pre, post = probe.on_forward_pre, probe.on_forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            pre(model, args)
+            output = inner(*args, **kwargs)
+            post(model, args, output)
+            return output
+
+        self._wrapper = forward
+        model.forward = forward  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        if self._model.__dict__.get("forward") is not self._wrapper:
+            return  # replaced since: leave the newer one alone
+        if self._previous is None:
+            del self._model.forward
+        else:
+            self._model.forward = self._previous  # type: ignore[method-assign]

@@ -12,9 +12,11 @@ which is the single definition of the step anatomy in DESIGN.md:
     (each phase summed over micro-batches; ``other`` is what is left)
 
 ``backward`` runs from the gradient of the model output (first backward node)
-to the end of the autograd graph; ``allreduce_wait`` from that end to the
-completion of the last bucket's all-reduce, clipped at zero when communication
-was fully overlapped; ``busy = step - allreduce_wait`` is the straggler signal.
+to the end of the autograd graph; ``allreduce_wait`` from that end until DDP's
+own end-of-backward callback has waited for every bucket's all-reduce (zero
+when communication was fully overlapped), summed over the synchronising
+backward passes of the step; ``busy = step - allreduce_wait`` is the straggler
+signal. Per-bucket ready/all-reduce marks are optional (``bucket_timings``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class StepMarks:
         "bwd_end",
         "ready",
         "done",
+        "sync",
         "opt_start",
         "end",
         "data_wait_s",
@@ -53,6 +56,7 @@ class StepMarks:
         self.bwd_end: list[Any] = []
         self.ready: list[tuple[int, Any]] = []  # (bucket index, grads ready)
         self.done: list[tuple[int, Any]] = []  # (bucket index, all-reduce done); other thread
+        self.sync: list[tuple[Any, Any]] = []  # (graph done, all-reduces waited for) per synced pass
         self.opt_start: Any = None
         self.end: Any = None
         self.data_wait_s = 0.0  # host seconds blocked in a wrapped loader
@@ -62,6 +66,7 @@ class StepMarks:
         """Every mark of the step, in no particular order."""
         marks = [self.start, self.end, *self.fwd_start, *self.fwd_end, *self.bwd_start]
         marks += [*self.bwd_end, *(m for _, m in self.ready), *(m for _, m in self.done)]
+        marks += [m for pair in self.sync for m in pair]
         if self.opt_start is not None:
             marks.append(self.opt_start)
         return marks
@@ -94,15 +99,7 @@ def anatomy(m: StepMarks, rank: int, wall_anchor: float, timing: str = "host") -
     step_s = max(0.0, end - start)
     forward_s = sum(e - s for s, e in zip(m.fwd_start, m.fwd_end, strict=False))
     backward_s = sum(e - s for s, e in zip(m.bwd_start, m.bwd_end, strict=False))
-    if m.bwd_end:
-        compute_end = m.bwd_end[-1]
-    elif m.ready:
-        compute_end = max(t for _, t in m.ready)
-    else:
-        compute_end = None
-    allreduce_wait_s = 0.0
-    if m.done and compute_end is not None:
-        allreduce_wait_s = max(0.0, max(t for _, t in m.done) - compute_end)
+    allreduce_wait_s = sum(max(0.0, synced - graph_done) for graph_done, synced in m.sync)
     optimizer_s = end - m.opt_start if m.opt_start is not None else 0.0
     if m.data_from_gap:
         data_wait_s = m.fwd_start[0] - start if m.fwd_start else 0.0
@@ -158,6 +155,7 @@ def resolve_cuda(m: StepMarks, block: bool = False) -> StepMarks | None:
     r.bwd_end = [sec(e) for e in m.bwd_end]
     r.ready = [(i, sec(e)) for i, e in m.ready]
     r.done = [(i, sec(e)) for i, e in m.done]
+    r.sync = [(sec(a), sec(b)) for a, b in m.sync]
     r.opt_start = None if m.opt_start is None else sec(m.opt_start)
     r.end = sec(m.end)
     gap = r.fwd_start[0] if r.fwd_start else m.data_wait_s

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .eventlog import EventLogWriter, log_path
-from .probes import StepProbe, TimedIterable, cuda_mark
+from .probes import ForwardTimer, StepProbe, TimedIterable, cuda_mark
 from .runinfo import RunInfo, discover, write_meta
 from .timing import resolve_cuda
 
@@ -44,9 +44,9 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 def _check_comm_hook_free(model: torch.nn.Module) -> None:
     if isinstance(model, DistributedDataParallel) and model._comm_hooks:
         raise RuntimeError(
-            "stragglerwatch: this DDP model already has a communication hook and PyTorch allows only one. "
-            "Call attach() before register_comm_hook() and pass yours as "
-            "attach(model, comm_hook=(state, hook)); stragglerwatch times it instead of the default all-reduce."
+            "stragglerwatch: bucket_timings needs DDP's communication hook, but this model already has one "
+            "and PyTorch allows only one. Call attach() before register_comm_hook() and pass yours as "
+            "attach(model, comm_hook=(state, hook)), or leave bucket_timings off (no comm hook needed)."
         )
 
 
@@ -139,6 +139,7 @@ def attach(
     prometheus_port: int | None = None,
     enabled: bool = True,
     comm_hook: CommHook | None = None,
+    bucket_timings: bool = False,
     flush_interval_s: float = 1.0,
 ) -> Watch:
     """Record this rank's step anatomy for ``model`` (a DDP module, or a plain module
@@ -146,15 +147,23 @@ def attach(
     ``./stragglerwatch-runs/<run id>``), without changing the training loop.
 
     ``optimizer``: whose ``step()`` ends a training step; by default the first
-    optimizer seen stepping. ``comm_hook``: ``(state, hook)`` of your own DDP
-    communication hook, which is then timed instead of the default all-reduce.
+    optimizer seen stepping. ``bucket_timings``: also record each gradient
+    bucket's ready time and all-reduce duration, through a DDP communication
+    hook that wraps the all-reduce (costs host time per bucket; see the README).
+    ``comm_hook``: ``(state, hook)`` of your own DDP communication hook, to be
+    registered and timed by stragglerwatch (implies ``bucket_timings``).
+    Without either, DDP's built-in all-reduce and any hook already registered
+    are left alone.
     ``watchdog_timeout_s`` and ``prometheus_port`` are accepted and reserved for
     the watchdog and the exporter. ``enabled=False`` or ``STRAGGLERWATCH_DISABLE=1``
     returns a no-op :class:`Watch`.
     """
     if not enabled or _disabled_by_env():
         return Watch()
-    _check_comm_hook_free(model)
+    is_ddp = isinstance(model, DistributedDataParallel)
+    bucket_timings = is_ddp and (bucket_timings or comm_hook is not None)
+    if bucket_timings:
+        _check_comm_hook_free(model)
     info = discover(run_dir)
     on_gpu = _model_device(model).type == "cuda"
     timing = "cuda" if on_gpu else "host"
@@ -162,7 +171,8 @@ def attach(
         "flush_interval_s": flush_interval_s,
         "watchdog_timeout_s": watchdog_timeout_s,
         "prometheus_port": prometheus_port,
-        "ddp": isinstance(model, DistributedDataParallel),
+        "ddp": is_ddp,
+        "bucket_timings": bucket_timings,
     }
     try:
         write_meta(info, config, {"device": str(_model_device(model)), "timing": timing})
@@ -179,11 +189,9 @@ def attach(
         resolve=resolve_cuda if on_gpu else None,
         flush_interval_s=flush_interval_s,
     )
-    probe = StepProbe(writer.submit, cuda_mark if on_gpu else None)
-    handles = [
-        model.register_forward_pre_hook(probe.on_forward_pre),
-        model.register_forward_hook(probe.on_forward),
-    ]
+    syncing = (lambda: model.require_backward_grad_sync) if is_ddp else None
+    probe = StepProbe(writer.submit, cuda_mark if on_gpu else None, syncing)
+    handles: list[Any] = [ForwardTimer(model, probe)]
     if optimizer is not None:
         handles.append(optimizer.register_step_pre_hook(probe.on_optimizer_pre))
         handles.append(optimizer.register_step_post_hook(probe.on_optimizer_post))
@@ -191,10 +199,8 @@ def attach(
         handles.append(register_optimizer_step_pre_hook(probe.on_optimizer_pre))
         handles.append(register_optimizer_step_post_hook(probe.on_optimizer_post))
     watch = Watch(info, probe, writer, handles)
-    if isinstance(model, DistributedDataParallel):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        state, inner = comm_hook if comm_hook is not None else (model.process_group, allreduce_hook)
+    if bucket_timings:
+        state, inner = comm_hook if comm_hook is not None else (model.process_group, None)
         try:
             model.register_comm_hook(None, probe.comm_hook(inner, state))
         except RuntimeError as exc:

@@ -18,6 +18,7 @@ def fake_step(step: int, t0: float, busy: float = 0.01, wait: float = 0.005) -> 
     m.fwd_start, m.fwd_end = [t0 + 0.001], [t0 + 0.004]
     m.bwd_start, m.bwd_end = [t0 + 0.004], [t0 + busy - 0.002]
     m.ready, m.done = [(0, t0 + busy - 0.002)], [(0, t0 + busy - 0.002 + wait)]
+    m.sync = [(t0 + busy - 0.002, t0 + busy - 0.002 + wait)]
     m.opt_start, m.end = t0 + busy - 0.001 + wait, t0 + busy + wait
     return m
 

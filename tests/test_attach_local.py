@@ -41,6 +41,7 @@ def hook_counts(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, ...]
     from torch.optim import optimizer as optim_mod
 
     return (
+        "forward" in model.__dict__,
         len(model._forward_pre_hooks),
         len(model._forward_hooks),
         len(opt._optimizer_step_pre_hooks),

@@ -30,6 +30,7 @@ def test_ddp_step_partitions_exactly() -> None:
         bwd_end=[10.036],
         ready=[(0, 10.030), (1, 10.035)],
         done=[(1, 10.050), (0, 10.040)],
+        sync=[(10.036, 10.050)],
         opt_start=10.051,
         end=10.055,
     )
@@ -81,6 +82,7 @@ def test_accumulation_sums_micro_batches() -> None:
         bwd_end=[10.05, 10.15, 10.25],
         ready=[(0, 10.24)],
         done=[(0, 10.27)],
+        sync=[(10.25, 10.27)],
         opt_start=10.28,
         end=10.29,
     )
@@ -88,7 +90,7 @@ def test_accumulation_sums_micro_batches() -> None:
     assert r.micro_batches == 3
     assert r.forward_s == pytest.approx(0.03)
     assert r.backward_s == pytest.approx(0.09)
-    assert r.allreduce_wait_s == pytest.approx(0.02)  # after the *last* backward only
+    assert r.allreduce_wait_s == pytest.approx(0.02)  # only the last backward synchronised
     assert phase_sum(r) == pytest.approx(r.step_s)
 
 

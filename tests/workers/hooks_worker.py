@@ -29,6 +29,7 @@ def steps(model: nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
 
 def hooks(model: nn.Module, opt: torch.optim.Optimizer) -> list[int]:
     return [
+        int("forward" in model.__dict__),
         len(model._forward_pre_hooks),
         len(model._forward_hooks),
         len(opt._optimizer_step_pre_hooks),
@@ -65,11 +66,16 @@ def main() -> None:
         steps(model2, opt2, 2)
     res["agreed_run_dir"] = str(w2.run_dir)
 
-    # 3. an existing comm hook is refused with a clear message
+    # 3. an existing comm hook is left alone by default, refused clearly for bucket timings
     model3 = DDP(nn.Linear(8, 2))
+    opt3 = torch.optim.SGD(model3.parameters(), lr=0.1)
     model3.register_comm_hook(dist.group.WORLD, allreduce_hook)
+    with stragglerwatch.attach(model3, out / "existing", optimizer=opt3):
+        steps(model3, opt3, 2)
+    df3 = stragglerwatch.load_run(out / "existing")
+    res["existing_hook_rows"] = int((df3["rank"] == rank).sum())
     try:
-        stragglerwatch.attach(model3, out / "refused")
+        stragglerwatch.attach(model3, out / "refused", bucket_timings=True)
         res["conflict"] = "accepted"
     except RuntimeError as exc:
         res["conflict"] = str(exc)
