@@ -7,6 +7,7 @@ import json
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 from . import __version__
 from .eventlog import RunDirError, load_run
@@ -33,6 +34,131 @@ def cmd_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+class Progress:
+    """``n/total`` on one stderr line, only when stderr is a terminal and the work is large."""
+
+    def __init__(self, label: str, min_total: int = 32):
+        self.label = label
+        self.min_total = min_total
+        self.enabled = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total < self.min_total:
+            return
+        width = 30
+        fill = width * done // total
+        end = "\n" if done == total else ""
+        print(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {done}/{total}", end=end, file=sys.stderr)
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from .analysis import analyze_run
+    from .detect import DetectConfig
+
+    config = DetectConfig(window=args.window, min_slowdown=args.min_slowdown, z=args.z)
+    analysis = analyze_run(args.run_dir, config, progress=Progress("reading logs"))
+    if args.format == "json":
+        text = json.dumps(analysis.report, indent=2)
+    elif args.format == "html":
+        from .htmlreport import render_html
+
+        text = render_html(analysis)
+        if args.out is None:
+            args.out = str(Path(args.run_dir) / "report.html")
+    else:
+        from .render import render_text
+
+        text = render_text(analysis.report)
+    if args.out:
+        try:
+            Path(args.out).write_text(text + "\n")
+        except OSError as exc:
+            print(f"stragglerwatch: error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        print(text)
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .simulate import Injection, SimConfig, write_run
+
+    out = Path(args.out_dir)
+    if (out / "run.json").exists() and not args.force:
+        print(f"stragglerwatch: error: {out} already holds a run (use --force to overwrite)", file=sys.stderr)
+        return 2
+    try:
+        injections = [Injection.parse(t) for t in args.straggler]
+    except ValueError as exc:
+        print(f"stragglerwatch: error: {exc}", file=sys.stderr)
+        return 2
+    if args.ranks < 1 or args.steps < 1:
+        print("stragglerwatch: error: --ranks and --steps must be at least 1", file=sys.stderr)
+        return 2
+    cfg = SimConfig(
+        ranks=args.ranks, steps=args.steps, seed=args.seed, step_ms=args.step_ms, comm_ms=args.comm_ms,
+        noise=args.noise, drift=args.drift, spike_prob=args.spike_prob, spike_mag=args.spike_mag,
+        injections=injections, groups=args.groups,
+    )  # fmt: skip
+    try:
+        write_run(out, cfg, progress=Progress("writing ranks"))
+    except (ValueError, OSError) as exc:
+        print(f"stragglerwatch: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.ranks} ranks x {args.steps} steps to {out}", file=sys.stderr)
+    return 0
+
+
+def _add_analyze(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "analyze",
+        help="find consistently slow ranks, their cause and what they cost (text, JSON or HTML report)",
+        description="Analyse a run dir: which ranks are consistently slower than their peers (busy time = "
+        "step minus exposed all-reduce wait, compared per step with the median of the peers), since when, "
+        "why (data, compute, optimizer, other), and what they cost the job (what-if: each step without "
+        "the excess of the slowest rank; job slowdown S = actual / ideal time).",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run dir written by stragglerwatch.attach() or simulate")
+    p.add_argument("--format", choices=("text", "json", "html"), default="text",
+                   help="text (default): verdict and per-rank table; json: one object (see README); "
+                   "html: self-contained report with figures (default file RUN_DIR/report.html)")  # fmt: skip
+    p.add_argument("--out", metavar="FILE", help="write the report to FILE instead of stdout")
+    p.add_argument("--window", type=int, default=24, help="steps of the rolling median (default 24)")
+    p.add_argument("--min-slowdown", type=float, default=0.06,
+                   help="smallest relative excess busy time that can be flagged (default 0.06 = 6%%)")  # fmt: skip
+    p.add_argument("--z", type=float, default=6.0,
+                   help="noise multiple a window median must exceed (default 6; the threshold adapts "
+                   "to the run's jitter)")  # fmt: skip
+    p.set_defaults(func=cmd_analyze)
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="write a synthetic run dir (any number of ranks) with noise and injected stragglers",
+        description="Write a synthetic run dir in the real event-log format: N ranks x M steps with "
+        "per-step jitter, job-wide drift, transient spikes and injected stragglers; the all-reduce barrier "
+        "is modelled (every rank's step = busiest rank + transfer). The ground truth is kept in run.json.",
+    )
+    p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (created)")
+    p.add_argument("--ranks", type=int, required=True, help="world size")
+    p.add_argument("--steps", type=int, required=True, help="steps per rank")
+    p.add_argument("--straggler", action="append", default=[], metavar="RANK:SLOWDOWN[:ONSET[:CAUSE[:END]]]",
+                   help="inject a straggler, e.g. 7:0.2:500:data (20%% busier from step 500, data loading); "
+                   "causes: compute, data, optimizer, other; repeatable")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--step-ms", type=float, default=100.0, help="base busy time per step (default 100)")
+    p.add_argument("--comm-ms", type=float, default=10.0, help="all-reduce transfer time (default 10)")
+    p.add_argument("--noise", type=float, default=0.03, help="per-step per-rank relative jitter (default 0.03)")
+    p.add_argument("--drift", type=float, default=0.02, help="per-step job-wide relative jitter (default 0.02)")
+    p.add_argument("--spike-prob", type=float, default=0.002, help="chance of a transient spike (default 0.002)")
+    p.add_argument("--spike-mag", type=float, default=1.0, help="spike size x base step (default 1.0)")
+    p.add_argument("--groups", type=int, default=1, help="peer groups, e.g. pipeline stages (default 1)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing run in OUT_DIR")
+    p.set_defaults(func=cmd_simulate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stragglerwatch",
@@ -52,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run dir written by stragglerwatch.attach()")
     p.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     p.set_defaults(func=cmd_summary)
+    _add_analyze(sub)
+    _add_simulate(sub)
     return parser
 
 
@@ -67,6 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunDirError as exc:
         print(f"stragglerwatch: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("stragglerwatch: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         return 0
 

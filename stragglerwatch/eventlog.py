@@ -21,7 +21,7 @@ import re
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -199,15 +199,15 @@ def _read_stream(path: Path) -> pa.Table | None:
         return None
 
 
-def _read_parquet(path: Path) -> pa.Table | None:
+def _read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table | None:
     try:
-        table = pq.read_table(path)
+        problem = schema_compatible(pq.read_schema(path))
+        if problem:
+            _warn(f"{path}: skipped: {problem}")
+            return None
+        table = pq.read_table(path, columns=columns)
     except (pa.ArrowInvalid, OSError) as exc:
         _warn(f"{path}: skipped: unreadable Parquet ({exc})")
-        return None
-    problem = schema_compatible(table.schema)
-    if problem:
-        _warn(f"{path}: skipped: {problem}")
         return None
     return table
 
@@ -224,8 +224,16 @@ def log_files(run_dir: Path) -> list[Path]:
     return sorted(found.values())
 
 
-def load_run(run_dir: str | os.PathLike[str]) -> pd.DataFrame:
+def load_run(
+    run_dir: str | os.PathLike[str],
+    columns: Sequence[str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> pd.DataFrame:
     """One row per (rank, step) of a run dir: the step anatomy plus ``world_size``.
+
+    ``columns`` limits what is read (``rank`` and ``step`` always are): the
+    per-bucket list columns are costly in pandas for large runs. ``progress`` is
+    called as ``progress(files_read, files_total)``.
 
     Raises :class:`RunDirError` for a path that is not a run dir; files that are
     truncated, foreign or of another schema version are skipped or read in part
@@ -240,15 +248,21 @@ def load_run(run_dir: str | os.PathLike[str]) -> pd.DataFrame:
         raise RunDirError(f"{path}: not a stragglerwatch run dir (no {RUN_META}, no rank-*.arrows/.parquet)")
     if meta is None:
         _warn(f"{path / RUN_META}: missing or unreadable; world size taken from the logs")
+    names = list(STEP_SCHEMA.names)
+    if columns is not None:
+        unknown = sorted(set(columns) - set(RUN_COLUMNS))
+        if unknown:
+            raise ValueError(f"unknown columns {unknown}")
+        names = [n for n in names if n in ("rank", "step") or n in columns]
+    schema = pa.schema([STEP_SCHEMA.field(n) for n in names])
     tables = []
-    for f in files:
-        table = _read_parquet(f) if f.suffix == ".parquet" else _read_stream(f)
+    for i, f in enumerate(files):
+        table = _read_parquet(f, names) if f.suffix == ".parquet" else _read_stream(f)
         if table is not None and table.num_rows:
-            tables.append(table.select(STEP_SCHEMA.names).cast(STEP_SCHEMA))
-    if tables:
-        frame = pa.concat_tables(tables).to_pandas()
-    else:
-        frame = STEP_SCHEMA.empty_table().to_pandas()
+            tables.append(table.select(names).cast(schema))
+        if progress:
+            progress(i + 1, len(files))
+    frame = (pa.concat_tables(tables) if tables else schema.empty_table()).to_pandas()
     ranks = set(frame["rank"].unique().tolist())
     world = int(meta["world_size"]) if meta else (max(ranks) + 1 if ranks else 0)
     missing = sorted(set(range(world)) - ranks)
@@ -257,4 +271,4 @@ def load_run(run_dir: str | os.PathLike[str]) -> pd.DataFrame:
         _warn(f"{path}: no steps from rank(s) {shown} of {world}")
     frame["world_size"] = world
     frame = frame.sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
-    return frame[list(RUN_COLUMNS)]
+    return frame[[c for c in RUN_COLUMNS if c in frame.columns]]

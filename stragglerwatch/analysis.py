@@ -1,0 +1,111 @@
+"""Assemble the analysis report of a run: load, detect, summarise. The report is one
+JSON-ready dict that the text and HTML renderers, the CLI and the dashboard share.
+
+Report (``--format json``), schema ``stragglerwatch-report/1``:
+``run_id``, ``world_size``, ``steps``, ``job_seconds``, ``ideal_seconds``,
+``job_slowdown`` (S = T_actual / T_ideal), ``lost_seconds``, ``lost_gpu_seconds``,
+``communication_bound``, ``comm_fraction``, ``stragglers`` (each ``rank``,
+``host``, ``cause``, ``slowdown``, ``first_step``, ``last_step``,
+``detected_step``, ``lost_seconds``, ``lost_gpu_seconds``, ``excess_ms``),
+``group_imbalance``, ``hangs``, ``ranks`` (per-rank medians), ``thresholds``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .detect import MATRIX_COLUMNS, DetectConfig, StepMatrix, Verdict, detect, to_matrix
+from .eventlog import load_run
+from .runinfo import read_rank_meta, read_run_meta
+from .schema import PHASE_COLUMNS
+
+REPORT_SCHEMA = "stragglerwatch-report/1"
+
+
+@dataclass
+class Analysis:
+    report: dict[str, Any]
+    matrix: StepMatrix
+    verdict: Verdict
+
+
+def _num(x: float, digits: int = 6) -> float | None:
+    return None if x is None or not math.isfinite(x) else round(float(x), digits)
+
+
+def rank_rows(mat: StepMatrix, verdict: Verdict, rank_meta: dict[int, dict]) -> list[dict[str, Any]]:
+    """Per-rank medians (ms), slowdown vs peers and flag, in rank order."""
+    med = {c: np.nanmedian(mat.values[c], axis=0) * 1000.0 for c in ("step_s", "busy_s", *PHASE_COLUMNS)}
+    slow = np.nanmedian(verdict.slowdown, axis=0)
+    counts = np.sum(~np.isnan(mat.values["busy_s"]), axis=0)
+    flagged = {s.rank for s in verdict.stragglers}
+    rows = []
+    for j, rank in enumerate(mat.ranks.tolist()):
+        meta = rank_meta.get(rank, {})
+        row: dict[str, Any] = {"rank": rank, "host": meta.get("host"), "role": meta.get("role"),
+                               "steps": int(counts[j])}  # fmt: skip
+        row.update({c.replace("_s", "_ms"): _num(v[j], 3) for c, v in med.items()})
+        row["slowdown"] = _num(slow[j], 4)
+        row["flagged"] = rank in flagged
+        rows.append(row)
+    return rows
+
+
+def build_report(
+    mat: StepMatrix, verdict: Verdict, run_meta: dict | None, rank_meta: dict[int, dict]
+) -> dict[str, Any]:
+    world = int(run_meta["world_size"]) if run_meta else len(mat.ranks)
+    hosts = {r: m.get("host") for r, m in rank_meta.items()}
+    stragglers = []
+    for s in verdict.stragglers:
+        d = s.to_dict()
+        d["host"] = hosts.get(s.rank)
+        d["lost_seconds"] = _num(s.lost_seconds, 4)
+        d["lost_gpu_seconds"] = _num(s.lost_seconds * world, 3)
+        stragglers.append(d)
+    return {
+        "schema": REPORT_SCHEMA,
+        "run_id": run_meta.get("run_id") if run_meta else None,
+        "world_size": world,
+        "ranks_seen": len(mat.ranks),
+        "steps": len(mat.steps),
+        "first_step": int(mat.steps[0]) if len(mat.steps) else None,
+        "last_step": int(mat.steps[-1]) if len(mat.steps) else None,
+        "job_seconds": _num(verdict.job_seconds, 4),
+        "ideal_seconds": _num(verdict.ideal_seconds, 4),
+        "job_slowdown": _num(verdict.job_slowdown, 4),
+        "lost_seconds": _num(verdict.lost_seconds, 4),
+        "lost_gpu_seconds": _num(verdict.lost_seconds * world, 3),
+        "communication_bound": verdict.communication_bound,
+        "comm_fraction": _num(verdict.comm_fraction, 4),
+        "stragglers": stragglers,
+        "group_imbalance": [g.to_dict() for g in verdict.groups],
+        "hangs": [],
+        "thresholds": {k: _num(v, 4) for k, v in verdict.thresholds.items()},
+        "ranks": rank_rows(mat, verdict, rank_meta),
+    }
+
+
+def analyze_run(
+    run_dir: str | os.PathLike[str],
+    config: DetectConfig | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Analysis:
+    """Load a run dir, detect, and build the report (raises ``RunDirError``)."""
+    path = Path(run_dir)
+    frame = load_run(path, columns=MATRIX_COLUMNS, progress=progress)
+    mat = to_matrix(frame)
+    del frame
+    rank_meta = read_rank_meta(path)
+    roles = {r: m["role"] for r, m in rank_meta.items() if m.get("role") is not None}
+    verdict = detect(mat, config, groups=roles or None)
+    report = build_report(mat, verdict, read_run_meta(path), rank_meta)
+    report["run_dir"] = str(path)
+    return Analysis(report, mat, verdict)

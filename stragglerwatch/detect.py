@@ -1,0 +1,297 @@
+"""Straggler detection: pure functions over per-rank step timings, no I/O, no torch.
+
+Design (DESIGN.md, "Peers, consistency, cause, cost"):
+
+1. Matrix: ``busy_s`` (and the phases) as steps x ranks arrays.
+2. Per step, each rank's relative excess over its peers' robust reference:
+   ``e = busy / median(peers' busy) - 1``; peers are the ranks of the same group
+   (role, e.g. pipeline stage); leave-one-out medians for small groups.
+3. Consistency: a rank is flagged when the rolling median of ``e`` over
+   ``window`` steps stays above the *on* threshold for ``confirm`` steps, and
+   cleared when it stays below the *off* threshold as long (hysteresis: a spike
+   moves no median, a flag never flaps). Thresholds adapt to the run's noise:
+   ``max(min_slowdown, z * standard error of a window median)``, the noise being
+   each rank's step-to-step jitter around its own rolling median (robust: MAD).
+4. Onset/end: a sign-CUSUM change point inside the detection window.
+5. Cause: the phase (data, compute = forward + backward, optimizer, other)
+   whose excess over the healthy peers is largest during the flagged steps.
+6. Cost (what-if): without rank k's excess, step s would have taken
+   ``step - (busy_k - max(reference, busiest other rank))``; the job's ideal
+   time removes ``busy_max - reference`` from every step: ``S = T_actual / T_ideal``.
+7. Communication-bound: the bottleneck rank itself waits most of its step in
+   the all-reduce. Group imbalance: a whole group's busy time above the others'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pandas as pd
+
+CAUSES = {
+    "data": ("data_wait_s",),
+    "compute": ("forward_s", "backward_s"),
+    "optimizer": ("optimizer_s",),
+    "other": ("other_s",),
+}
+MATRIX_COLUMNS = ("busy_s", "step_s", "allreduce_wait_s", *(c for cols in CAUSES.values() for c in cols))
+
+
+@dataclass(frozen=True)
+class DetectConfig:
+    window: int = 24  # steps in the rolling median
+    confirm: int = 5  # consecutive steps above (below) the threshold to flag (clear)
+    min_slowdown: float = 0.06  # relative busy excess a flag needs at the least
+    z: float = 6.0  # noise multiple a window median must exceed
+    off_ratio: float = 0.5  # clear threshold as a fraction of the flag threshold
+    min_step_fraction: float = 0.03  # excess must also cost at least this fraction of the step
+    comm_bound_fraction: float = 0.5  # bottleneck rank waiting this much of its step: comm-bound
+    group_min_slowdown: float = 0.10  # a group this much busier than the others: imbalance
+
+
+@dataclass
+class Straggler:
+    rank: int
+    cause: str
+    slowdown: float  # median busy / healthy reference over the flagged steps
+    first_step: int  # estimated onset
+    last_step: int | None  # estimated end; None while still slow at the end of the data
+    detected_step: int  # step at which the consistency rule fired
+    lost_seconds: float
+    excess_ms: dict[str, float] = field(default_factory=dict)  # median excess per cause
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GroupImbalance:
+    group: str
+    ranks: list[int]
+    slowdown: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Verdict:
+    ranks: np.ndarray
+    steps: np.ndarray
+    stragglers: list[Straggler]
+    groups: list[GroupImbalance]
+    job_seconds: float
+    ideal_seconds: float
+    lost_seconds: float
+    communication_bound: bool
+    comm_fraction: float  # median over steps of the bottleneck rank's exposed wait / step
+    thresholds: dict[str, float]
+    slowdown: np.ndarray  # steps x ranks: busy / reference (1.0 = like its peers)
+    flags: np.ndarray  # steps x ranks bool
+
+    @property
+    def job_slowdown(self) -> float:
+        return self.job_seconds / self.ideal_seconds if self.ideal_seconds > 0 else 1.0
+
+
+@dataclass
+class StepMatrix:
+    ranks: np.ndarray
+    steps: np.ndarray
+    values: dict[str, np.ndarray]  # column -> steps x ranks (NaN where a rank has no row)
+
+
+def to_matrix(frame: pd.DataFrame) -> StepMatrix:
+    """Pivot a ``load_run`` frame into steps x ranks arrays."""
+    ranks = np.unique(frame["rank"].to_numpy())
+    steps = np.unique(frame["step"].to_numpy())
+    ri = np.searchsorted(ranks, frame["rank"].to_numpy())
+    si = np.searchsorted(steps, frame["step"].to_numpy())
+    values = {}
+    for col in MATRIX_COLUMNS:
+        m = np.full((len(steps), len(ranks)), np.nan)
+        m[si, ri] = frame[col].to_numpy(dtype=float)
+        values[col] = m
+    return StepMatrix(ranks, steps, values)
+
+
+def peer_reference(busy: np.ndarray, members: np.ndarray) -> np.ndarray:
+    """Per step and rank, the median busy time of the rank's peers (``members``: column
+    indices of one group). Leave-one-out for groups of up to 8, else the group median."""
+    sub = busy[:, members]
+    ref = np.empty_like(sub)
+    n = len(members)
+    if n == 1:
+        return sub.copy()
+    if n <= 8:
+        for j in range(n):
+            ref[:, j] = np.nanmedian(np.delete(sub, j, axis=1), axis=1)
+    else:
+        ref[:] = np.nanmedian(sub, axis=1)[:, None]
+    return ref
+
+
+def _rolling_median(x: np.ndarray, window: int) -> np.ndarray:
+    return pd.DataFrame(x).rolling(window, min_periods=max(2, window // 2)).median().to_numpy()
+
+
+def _hysteresis(above: np.ndarray, below: np.ndarray, confirm: int) -> np.ndarray:
+    steps, ranks = above.shape
+    state = np.zeros(ranks, dtype=bool)
+    run_on = np.zeros(ranks, dtype=np.int32)
+    run_off = np.zeros(ranks, dtype=np.int32)
+    flags = np.zeros((steps, ranks), dtype=bool)
+    for s in range(steps):
+        run_on = np.where(above[s], run_on + 1, 0)
+        run_off = np.where(below[s], run_off + 1, 0)
+        state = (state & (run_off < confirm)) | (~state & (run_on >= confirm))
+        flags[s] = state
+    return flags
+
+
+def _change_point(e: np.ndarray, lo: int, hi: int, level: float, onset: bool) -> int:
+    """Index in [lo, hi] that best splits healthy from slow steps (sign CUSUM)."""
+    seg = e[lo : hi + 1]
+    signs = np.where(np.isnan(seg), 0.0, np.where(seg > level / 2, 1.0, -1.0))
+    if onset:  # slow from c on: maximise the sum over [c, hi]
+        scores = np.cumsum(signs[::-1])[::-1]
+    else:  # slow until c: maximise the sum over [lo, c]
+        scores = np.cumsum(signs)
+    return lo + int(np.argmax(scores))
+
+
+def _intervals(flag: np.ndarray) -> list[tuple[int, int | None]]:
+    """(index where a flag rose, index where it cleared or None) for one rank."""
+    edges = np.diff(np.concatenate(([0], flag.astype(np.int8), [0])))
+    rises = np.flatnonzero(edges == 1)
+    falls = np.flatnonzero(edges == -1)
+    return [(int(r), int(f) if f < len(flag) else None) for r, f in zip(rises, falls, strict=True)]
+
+
+def detect(
+    data: pd.DataFrame | StepMatrix, config: DetectConfig | None = None, groups: dict[int, str] | None = None
+) -> Verdict:
+    """Consistent stragglers, their cause and cost, and the job's slowdown. Pure."""
+    cfg = config or DetectConfig()
+    mat = data if isinstance(data, StepMatrix) else to_matrix(data)
+    busy = mat.values["busy_s"]
+    n_steps, n_ranks = busy.shape
+    group_of = [str(groups.get(int(r), "")) if groups else "" for r in mat.ranks]
+    names = sorted(set(group_of))
+    members = {g: np.array([j for j, x in enumerate(group_of) if x == g]) for g in names}
+
+    ref = np.full_like(busy, np.nan)
+    for idx in members.values():
+        ref[:, idx] = peer_reference(busy, idx)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        excess = busy / ref - 1.0
+    rolled = _rolling_median(excess, cfg.window) if n_steps else excess
+    jitter = np.abs(excess - rolled)
+    noise = 1.4826 * float(np.nanmedian(jitter)) if np.isfinite(jitter).any() else 0.0
+    stderr = 1.2533 * noise / np.sqrt(cfg.window)
+    on = max(cfg.min_slowdown, cfg.z * stderr)
+    off = on * cfg.off_ratio
+    step_med = np.nanmedian(mat.values["step_s"], axis=1) if n_steps else np.zeros(0)
+    abs_excess = busy - ref
+    abs_rolled = _rolling_median(abs_excess, cfg.window) if n_steps else abs_excess
+    big_enough = abs_rolled > cfg.min_step_fraction * step_med[:, None]
+    above = (rolled > on) & big_enough
+    below = ~(rolled > off)
+    flags = _hysteresis(above, below, cfg.confirm) if n_steps else np.zeros_like(busy, dtype=bool)
+
+    # healthy reference: median over the unflagged ranks of the group, per step
+    healthy = np.where(flags, np.nan, busy)
+    ref_h = np.full_like(busy, np.nan)
+    for idx in members.values():
+        with np.errstate(all="ignore"):
+            col = np.nanmedian(healthy[:, idx], axis=1) if len(idx) > 1 else busy[:, idx[0]]
+        ref_h[:, idx] = np.where(np.isnan(col), np.nanmedian(busy[:, idx], axis=1), col)[:, None]
+
+    stragglers = [
+        _describe(mat, excess, ref_h, flags, j, start, end, on, cfg)
+        for j in range(n_ranks)
+        for start, end in _intervals(flags[:, j])
+    ]
+    stragglers.sort(key=lambda s: -s.lost_seconds)
+
+    busy_max = np.nanmax(np.where(np.isnan(busy), -np.inf, busy), axis=1) if n_steps else np.zeros(0)
+    ref_job = np.nanmedian(ref_h, axis=1) if n_steps else np.zeros(0)
+    step_job = np.nan_to_num(step_med)
+    waste = np.clip(np.nan_to_num(busy_max - ref_job), 0.0, step_job)
+    job = float(step_job.sum())
+    with np.errstate(divide="ignore", invalid="ignore"):
+        comm = np.nanmedian(1.0 - busy_max / step_med) if n_steps else 0.0
+    comm = float(np.nan_to_num(comm))
+    return Verdict(
+        ranks=mat.ranks,
+        steps=mat.steps,
+        stragglers=stragglers,
+        groups=_group_imbalance(busy, members, mat.ranks, cfg),
+        job_seconds=job,
+        ideal_seconds=job - float(waste.sum()),
+        lost_seconds=float(waste.sum()),
+        communication_bound=bool(comm >= cfg.comm_bound_fraction and not stragglers),
+        comm_fraction=comm,
+        thresholds={"on": on, "off": off, "noise": noise},
+        slowdown=busy / ref_h,
+        flags=flags,
+    )
+
+
+def _describe(
+    mat: StepMatrix,
+    excess: np.ndarray,
+    ref_h: np.ndarray,
+    flags: np.ndarray,
+    j: int,
+    start: int,
+    end: int | None,
+    on: float,
+    cfg: DetectConfig,
+) -> Straggler:
+    busy = mat.values["busy_s"]
+    e = excess[:, j]
+    stop = (end if end is not None else len(e)) - 1
+    level = float(np.nanmedian(e[start : stop + 1]))
+    look = cfg.window + cfg.confirm
+    first = _change_point(e, max(0, start - look), start, level, onset=True)
+    last = None if end is None else _change_point(e, max(first, end - look), end, level, onset=False)
+    span = slice(first, (last if last is not None else stop) + 1)
+    slowdown = float(np.nanmedian(busy[span, j] / ref_h[span, j]))
+    # what-if: the step without this rank's excess is set by the reference or the busiest other rank
+    others = np.delete(busy[span], j, axis=1)
+    other_max = np.nanmax(np.where(np.isnan(others), -np.inf, others), axis=1) if others.shape[1] else -np.inf
+    lost = np.clip(busy[span, j] - np.maximum(ref_h[span, j], other_max), 0.0, None)
+    healthy = ~flags[span]
+    healthy[:, j] = False
+    excess_ms = {}
+    for cause, cols in CAUSES.items():
+        phase = sum(mat.values[c][span] for c in cols)
+        peer = np.nanmedian(np.where(healthy, phase, np.nan), axis=1) if healthy.any() else np.nanmedian(phase, 1)
+        excess_ms[cause] = round(float(np.nanmedian(phase[:, j] - peer)) * 1000.0, 3)
+    return Straggler(
+        rank=int(mat.ranks[j]),
+        cause=max(excess_ms, key=excess_ms.__getitem__),
+        slowdown=round(slowdown, 4),
+        first_step=int(mat.steps[first]),
+        last_step=None if last is None else int(mat.steps[last]),
+        detected_step=int(mat.steps[start]),
+        lost_seconds=float(np.nansum(lost)),
+        excess_ms=excess_ms,
+    )
+
+
+def _group_imbalance(
+    busy: np.ndarray, members: dict[str, np.ndarray], ranks: np.ndarray, cfg: DetectConfig
+) -> list[GroupImbalance]:
+    if len(members) < 2:
+        return []
+    med = {g: np.nanmedian(busy[:, idx], axis=1) for g, idx in members.items()}
+    out = []
+    for g, series in med.items():
+        rest = np.nanmedian(np.column_stack([s for h, s in med.items() if h != g]), axis=1)
+        ratio = float(np.nanmedian(series / rest))
+        if ratio > 1.0 + cfg.group_min_slowdown:
+            out.append(GroupImbalance(g, [int(ranks[i]) for i in members[g]], round(ratio, 4)))
+    return sorted(out, key=lambda x: -x.slowdown)

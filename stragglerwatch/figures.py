@@ -1,0 +1,110 @@
+"""Plotly figures of an analysis: pure functions (matrix, verdict in; figure out), shared by
+the HTML report and the dashboard. Large runs are aggregated here, on the server side:
+no figure carries more than ``MAX_CELLS`` heatmap cells or ``MAX_POINTS`` points a line."""
+
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+
+from .detect import StepMatrix, Verdict
+
+MAX_RANK_ROWS = 256
+MAX_STEP_COLS = 400
+MAX_POINTS = 1500
+MAX_BARS = 64
+PHASES = (
+    ("data_wait_s", "data wait", "#8c564b"),
+    ("forward_s", "forward", "#1f77b4"),
+    ("backward_s", "backward", "#2ca02c"),
+    ("allreduce_wait_s", "all-reduce wait", "#c7c7c7"),
+    ("optimizer_s", "optimizer", "#9467bd"),
+    ("other_s", "other", "#ff7f0e"),
+)
+
+
+def _bins(n: int, most: int) -> np.ndarray:
+    """Start index of each of at most ``most`` contiguous bins over ``n`` items."""
+    return np.unique(np.linspace(0, n, num=min(n, most) + 1, dtype=int)[:-1]) if n else np.zeros(0, dtype=int)
+
+
+def _reduce(a: np.ndarray, starts: np.ndarray, axis: int, how: str) -> np.ndarray:
+    if len(starts) == a.shape[axis]:
+        return a
+    with np.errstate(all="ignore"):
+        if how == "max":
+            filled = np.where(np.isnan(a), -np.inf, a)
+            out = np.maximum.reduceat(filled, starts, axis=axis)
+            return np.where(np.isinf(out), np.nan, out)
+        counts = np.add.reduceat(~np.isnan(a), starts, axis=axis)
+        sums = np.add.reduceat(np.nan_to_num(a), starts, axis=axis)
+        return sums / np.where(counts == 0, np.nan, counts)
+
+
+def heatmap(mat: StepMatrix, verdict: Verdict) -> go.Figure:
+    """Rank x step slowdown vs peers (busy / reference). Steps binned by mean, ranks by max
+    (a single slow rank in a bin of ranks stays visible)."""
+    z = verdict.slowdown
+    sb = _bins(z.shape[0], MAX_STEP_COLS)
+    rb = _bins(z.shape[1], MAX_RANK_ROWS)
+    z = _reduce(_reduce(z, sb, 0, "mean"), rb, 1, "max").T
+    ranks = mat.ranks[rb] if len(rb) else mat.ranks
+    label = "rank" if len(rb) == len(mat.ranks) else "first rank of bin"
+    # scale to the stragglers, not to one-step spikes
+    zmax = min(3.0, max([1.3] + [1.1 * s.slowdown for s in verdict.stragglers]))
+    fig = go.Figure(
+        go.Heatmap(
+            z=z, x=mat.steps[sb] if len(sb) else mat.steps, y=[str(r) for r in ranks],
+            zmin=0.5, zmid=1.0, zmax=zmax,
+            colorscale="RdBu_r", colorbar={"title": "busy / peers"},
+            hovertemplate=f"step %{{x}}<br>{label} %{{y}}<br>slowdown %{{z:.2f}}<extra></extra>",
+        )
+    )  # fmt: skip
+    fig.update_layout(title="Slowdown vs peers (rank x step)", xaxis_title="step", yaxis_title=label,
+                      yaxis={"type": "category"}, margin={"t": 50})  # fmt: skip
+    return fig
+
+
+def breakdown(mat: StepMatrix, verdict: Verdict) -> go.Figure:
+    """Per-rank stacked median phase times; at most ``MAX_BARS`` ranks (flagged and busiest)."""
+    busy = np.nanmedian(mat.values["busy_s"], axis=0)
+    flagged = {s.rank for s in verdict.stragglers}
+    order = sorted(range(len(mat.ranks)), key=lambda j: (mat.ranks[j] not in flagged, -busy[j]))
+    keep = sorted(order[:MAX_BARS], key=lambda j: mat.ranks[j])
+    x = [f"{'*' if mat.ranks[j] in flagged else ''}{mat.ranks[j]}" for j in keep]
+    fig = go.Figure()
+    for col, name, color in PHASES:
+        ms = np.nanmedian(mat.values[col][:, keep], axis=0) * 1000.0 if col in mat.values else np.zeros(len(keep))
+        fig.add_bar(x=x, y=ms, name=name, marker_color=color)
+    title = "Median step anatomy per rank (ms)"
+    if len(keep) < len(mat.ranks):
+        title += f" — {len(keep)} of {len(mat.ranks)} ranks: flagged and busiest"
+    fig.update_layout(barmode="stack", title=title, xaxis_title="rank (* flagged)", yaxis_title="ms",
+                      xaxis={"type": "category"}, margin={"t": 50})  # fmt: skip
+    return fig
+
+
+def busy_band(mat: StepMatrix, verdict: Verdict, ranks: list[int] | None = None) -> go.Figure:
+    """Busy time of the chosen (default: flagged) ranks against their peers' 10-90% band."""
+    busy = mat.values["busy_s"] * 1000.0
+    if ranks is None:
+        ranks = [s.rank for s in verdict.stragglers][:8]
+    cols = [int(np.searchsorted(mat.ranks, r)) for r in ranks if r in set(mat.ranks.tolist())]
+    healthy = np.where(verdict.flags, np.nan, busy)
+    if cols:
+        healthy[:, cols] = np.nan
+    sb = _bins(busy.shape[0], MAX_POINTS)
+    x = mat.steps[sb] if len(sb) else mat.steps
+    with np.errstate(all="ignore"):
+        lo, med, hi = (np.nanpercentile(healthy, q, axis=1) for q in (10, 50, 90))
+    lo, med, hi = (_reduce(v[:, None], sb, 0, "mean")[:, 0] for v in (lo, med, hi))
+    fig = go.Figure()
+    fig.add_scatter(x=x, y=hi, line={"width": 0}, showlegend=False, hoverinfo="skip")
+    fig.add_scatter(x=x, y=lo, fill="tonexty", fillcolor="rgba(31,119,180,0.2)", line={"width": 0},
+                    name="peers 10-90%")  # fmt: skip
+    fig.add_scatter(x=x, y=med, line={"color": "#1f77b4"}, name="peers median")
+    for j in cols:
+        fig.add_scatter(x=x, y=_reduce(busy[:, j : j + 1], sb, 0, "mean")[:, 0], name=f"rank {mat.ranks[j]}")
+    fig.update_layout(title="Busy time (ms): step minus exposed all-reduce wait", xaxis_title="step",
+                      yaxis_title="ms", margin={"t": 50})  # fmt: skip
+    return fig

@@ -1,0 +1,111 @@
+"""Text rendering of an analysis report (a dict, see ``analysis.py``): verdict first,
+then the per-rank table, in 80 columns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_TABLE_ROWS = 16
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _steps(s: dict[str, Any]) -> str:
+    if s["last_step"] is None:
+        return f"since step {s['first_step']} (still slow at the end)"
+    return f"from step {s['first_step']} to step {s['last_step']}"
+
+
+def verdict_lines(report: dict[str, Any]) -> list[str]:
+    """The verdict in a few sentences; shared by the text report and the dashboard banner."""
+    lines = []
+    stragglers = report["stragglers"]
+    if stragglers:
+        n = len(stragglers)
+        lines.append(f"{n} straggler{'s' if n > 1 else ''}:")
+        for s in stragglers:
+            excess = s["excess_ms"].get(s["cause"], 0.0)
+            lines.append(
+                f"  rank {s['rank']} is {s['slowdown']:.2f}x as busy as its peers {_steps(s)}; "
+                f"cause: {s['cause']} (+{excess:.1f} ms/step); cost {_duration(s['lost_seconds'])} "
+                f"({s['lost_gpu_seconds']:.0f} GPU-s)"
+            )
+    else:
+        lines.append("no consistently slow rank.")
+    for g in report.get("group_imbalance", []):
+        lines.append(f"group imbalance: {g['group']} (ranks {_ranks(g['ranks'])}) is {g['slowdown']:.2f}x as busy")
+    for h in report.get("hangs", []):
+        lines.append(
+            f"hang at step {h.get('step')} in {h.get('phase')}: culprit rank(s) {_ranks(h.get('culprit_ranks', []))}"
+        )
+    if report["communication_bound"]:
+        lines.append(
+            f"communication-bound: even the busiest rank waits {report['comm_fraction']:.0%} of each step "
+            "in the all-reduce (no rank straggles; the network or collective is the limit)."
+        )
+    lines.append(
+        f"job slowdown S = {report['job_slowdown']:.3f}: {_duration(report['job_seconds'])} actual vs "
+        f"{_duration(report['ideal_seconds'])} if every rank ran at its peers' median "
+        f"({_duration(report['lost_seconds'])} lost to stragglers and jitter, {report['lost_gpu_seconds']:.0f} GPU-s)"
+    )
+    return lines
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def _wrap(line: str, width: int) -> list[str]:
+    indent = len(line) - len(line.lstrip())
+    out, cur = [], ""
+    for word in line.split():
+        if cur and len(cur) + 1 + len(word) > width:
+            out.append(cur)
+            cur = " " * (indent + 2) + word
+        else:
+            cur = f"{cur} {word}" if cur else " " * indent + word
+    return out + [cur]
+
+
+def render_text(report: dict[str, Any], width: int = 80) -> str:
+    head = (
+        f"run {report.get('run_id') or '?'}: {report['ranks_seen']} of {report['world_size']} ranks, "
+        f"{report['steps']} steps"
+    )
+    lines = [head, ""]
+    for line in verdict_lines(report):
+        lines += _wrap(line, width)
+    lines += ["", "per rank (medians, ms; busy = step - exposed all-reduce wait):"]
+    lines.append(
+        f"{'rank':>6} {'step':>7} {'busy':>7} {'data':>6} {'fwd':>6} {'bwd':>6} {'ar_wait':>7} "
+        f"{'opt':>5} {'other':>6} {'vs peers':>8}"
+    )
+    rows = report["ranks"]
+    if len(rows) > MAX_TABLE_ROWS:
+        ordered = sorted(rows, key=lambda r: (not r["flagged"], -(r["slowdown"] or 0)))
+        shown = sorted(ordered[:MAX_TABLE_ROWS], key=lambda r: r["rank"])
+    else:
+        shown = rows
+    for r in shown:
+        flag = " *" if r["flagged"] else ""
+        lines.append(
+            f"{r['rank']:>6} {_f(r['step_ms'], 7)} {_f(r['busy_ms'], 7)} {_f(r['data_wait_ms'], 6)} "
+            f"{_f(r['forward_ms'], 6)} {_f(r['backward_ms'], 6)} {_f(r['allreduce_wait_ms'], 7)} "
+            f"{_f(r['optimizer_ms'], 5)} {_f(r['other_ms'], 6)} {_f(r['slowdown'], 7, 2)}x{flag}"
+        )
+    if len(rows) > len(shown):
+        lines.append(f"  ... {len(rows) - len(shown)} more ranks (flagged and slowest shown; --format json for all)")
+    return "\n".join(lines)
+
+
+def _f(value: float | None, width: int, digits: int = 1) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"

@@ -1,0 +1,155 @@
+"""Synthetic run dirs in the real event-log format, for tests, benchmarks and demos
+at scales a small machine cannot run for real.
+
+Model: each rank's busy time per step is a base step split into phases (data 5%,
+forward 30%, backward 55%, optimizer 5%, other 5%), scaled by a per-(step, rank)
+log-normal jitter (``noise``) and a per-step job-wide drift; transient spikes hit
+random (step, rank) cells; an injected straggler adds ``slowdown`` x base to its
+cause's phase from ``onset`` to ``end``. The all-reduce barrier makes every
+rank's step the busiest rank's busy time plus the transfer time, so each rank's
+exposed wait is ``step - busy`` — the same arithmetic as a real run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .runinfo import RunInfo, write_json_atomic
+from .schema import SCHEMA_VERSION, STEP_SCHEMA
+
+PHASE_SHARES = {"data_wait_s": 0.05, "forward_s": 0.30, "backward_s": 0.55, "optimizer_s": 0.05, "other_s": 0.05}
+CAUSE_PHASES = {"compute": ("forward_s", "backward_s"), "data": ("data_wait_s",),
+                "optimizer": ("optimizer_s",), "other": ("other_s",)}  # fmt: skip
+
+
+@dataclass
+class Injection:
+    """One injected straggler: ``rank`` is ``slowdown`` (0.2 = 20%) busier from ``onset``."""
+
+    rank: int
+    slowdown: float
+    onset: int = 0
+    cause: str = "compute"
+    end: int | None = None  # first healthy step again; None = until the end
+
+    @classmethod
+    def parse(cls, text: str) -> Injection:
+        """``RANK:SLOWDOWN[:ONSET[:CAUSE[:END]]]``, e.g. ``7:0.2:500:data``."""
+        parts = text.split(":")
+        if not 2 <= len(parts) <= 5:
+            raise ValueError(f"straggler {text!r}: expected RANK:SLOWDOWN[:ONSET[:CAUSE[:END]]]")
+        try:
+            rank, slowdown = int(parts[0]), float(parts[1])
+            onset = int(parts[2]) if len(parts) > 2 and parts[2] else 0
+            cause = parts[3] if len(parts) > 3 and parts[3] else "compute"
+            end = int(parts[4]) if len(parts) > 4 and parts[4] else None
+        except ValueError:
+            raise ValueError(f"straggler {text!r}: RANK, ONSET and END are integers, SLOWDOWN a number") from None
+        if cause not in CAUSE_PHASES:
+            raise ValueError(f"straggler {text!r}: cause must be one of {', '.join(CAUSE_PHASES)}")
+        return cls(rank, slowdown, onset, cause, end)
+
+
+@dataclass
+class SimConfig:
+    ranks: int
+    steps: int
+    seed: int = 0
+    step_ms: float = 100.0  # base busy time per step
+    comm_ms: float = 10.0  # pure transfer time of the all-reduce
+    noise: float = 0.03  # per-(step, rank) relative jitter (log-normal sigma)
+    drift: float = 0.02  # per-step job-wide relative variation
+    spike_prob: float = 0.002  # chance of a transient spike per (step, rank)
+    spike_mag: float = 1.0  # a spike adds this x base busy time (to "other")
+    injections: list[Injection] = field(default_factory=list)
+    groups: int = 1  # peer groups (e.g. pipeline stages): rank r is in group r * groups // ranks
+
+
+def simulate_arrays(cfg: SimConfig) -> dict[str, np.ndarray]:
+    """Steps x ranks arrays of every phase, ``busy_s``, ``step_s`` and ``allreduce_wait_s``."""
+    rng = np.random.default_rng(cfg.seed)
+    shape = (cfg.steps, cfg.ranks)
+    base = cfg.step_ms / 1000.0
+    scale = np.exp(cfg.noise * rng.standard_normal(shape, dtype=np.float32)).astype(np.float64)
+    scale *= np.exp(cfg.drift * rng.standard_normal(cfg.steps))[:, None]
+    out = {col: base * share * scale for col, share in PHASE_SHARES.items()}
+    spikes = rng.random(shape, dtype=np.float32) < cfg.spike_prob
+    out["other_s"] += spikes * (cfg.spike_mag * base)
+    for inj in cfg.injections:
+        if not 0 <= inj.rank < cfg.ranks:
+            raise ValueError(f"straggler rank {inj.rank} outside 0..{cfg.ranks - 1}")
+        rows = slice(max(0, inj.onset), inj.end)
+        phases = CAUSE_PHASES[inj.cause]
+        for col in phases:
+            out[col][rows, inj.rank] += inj.slowdown * base * PHASE_SHARES[col] / sum(PHASE_SHARES[c] for c in phases)
+    busy = sum(out[c] for c in PHASE_SHARES)
+    comm = cfg.comm_ms / 1000.0 * np.exp(cfg.noise * rng.standard_normal(cfg.steps))
+    step = busy.max(axis=1) + comm
+    out["busy_s"] = busy
+    out["step_s"] = np.broadcast_to(step[:, None], shape).copy()
+    out["allreduce_wait_s"] = out["step_s"] - busy
+    return out
+
+
+def to_frame(cfg: SimConfig, arrays: dict[str, np.ndarray] | None = None) -> pd.DataFrame:
+    """A ``load_run``-shaped frame of a simulation (no files), for the detection core."""
+    arrays = arrays or simulate_arrays(cfg)
+    steps, ranks = np.meshgrid(np.arange(cfg.steps), np.arange(cfg.ranks), indexing="ij")
+    frame = pd.DataFrame({"rank": ranks.ravel(), "step": steps.ravel()})
+    for col, values in arrays.items():
+        frame[col] = values.ravel()
+    frame["world_size"] = cfg.ranks
+    return frame
+
+
+def _rank_table(arrays: dict[str, np.ndarray], rank: int, start_time: np.ndarray) -> pa.Table:
+    n = len(start_time)
+    empty_lists = {
+        name: pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, dtype=np.int32)), pa.array([], type=typ.value_type))
+        for name, typ in ((f.name, f.type) for f in STEP_SCHEMA if pa.types.is_list(f.type))
+    }
+    columns = {
+        "rank": pa.array(np.full(n, rank, dtype=np.int32)),
+        "step": pa.array(np.arange(n, dtype=np.int64)),
+        "start_time": pa.array(start_time),
+        "micro_batches": pa.array(np.ones(n, dtype=np.int32)),
+        "timing": pa.repeat(pa.scalar("host"), n),
+        **empty_lists,
+    }
+    for col, values in arrays.items():
+        columns[col] = pa.array(np.ascontiguousarray(values[:, rank]))
+    return pa.Table.from_pydict({f.name: columns[f.name] for f in STEP_SCHEMA}, schema=STEP_SCHEMA)
+
+
+def write_run(out_dir: str | Path, cfg: SimConfig, progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write a complete run dir (run.json, rank-*.json, rank-*.parquet) for ``cfg``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    arrays = simulate_arrays(cfg)
+    t0 = time.time() - float(arrays["step_s"][:, 0].sum())
+    start_time = t0 + np.concatenate(([0.0], np.cumsum(arrays["step_s"][:-1, 0])))
+    run_id = f"sim-{out.resolve().name}"
+    sim = asdict(cfg)
+    write_json_atomic(
+        out / "run.json",
+        {"run_id": run_id, "world_size": cfg.ranks, "created": time.time(), "schema": "stragglerwatch-run",
+         "versions": {"schema": SCHEMA_VERSION}, "config": {"simulated": True}, "simulation": sim},
+    )  # fmt: skip
+    for rank in range(cfg.ranks):
+        info = RunInfo(run_id, out, rank, rank % 8, cfg.ranks, f"sim-node-{rank // 8:04d}")
+        meta = {k: v for k, v in asdict(info).items() if k != "run_dir"}
+        if cfg.groups > 1:
+            meta["role"] = f"group{rank * cfg.groups // cfg.ranks}"
+        write_json_atomic(out / f"rank-{rank:05d}.json", {**meta, "device": "sim", "timing": "host"})
+        pq.write_table(_rank_table(arrays, rank, start_time), out / f"rank-{rank:05d}.parquet")
+        if progress:
+            progress(rank + 1, cfg.ranks)
+    return out
