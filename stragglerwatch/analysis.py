@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .detect import MATRIX_COLUMNS, DetectConfig, StepMatrix, Verdict, detect, to_matrix
-from .eventlog import load_run
+from .detect import MATRIX_COLUMNS, DetectConfig, StepMatrix, Verdict, detect, matrix_from_columns, nanmedian
+from .eventlog import read_logs
 from .runinfo import read_rank_meta, read_run_meta
 from .schema import PHASE_COLUMNS
 
@@ -42,8 +42,8 @@ def _num(x: float, digits: int = 6) -> float | None:
 
 def rank_rows(mat: StepMatrix, verdict: Verdict, rank_meta: dict[int, dict]) -> list[dict[str, Any]]:
     """Per-rank medians (ms), slowdown vs peers and flag, in rank order."""
-    med = {c: np.nanmedian(mat.values[c], axis=0) * 1000.0 for c in ("step_s", "busy_s", *PHASE_COLUMNS)}
-    slow = np.nanmedian(verdict.slowdown, axis=0)
+    med = {c: nanmedian(mat.values[c], axis=0) * 1000.0 for c in ("step_s", "busy_s", *PHASE_COLUMNS)}
+    slow = nanmedian(verdict.slowdown, axis=0)
     counts = np.sum(~np.isnan(mat.values["busy_s"]), axis=0)
     flagged = {s.rank for s in verdict.stragglers}
     rows = []
@@ -100,9 +100,13 @@ def analyze_run(
 ) -> Analysis:
     """Load a run dir, detect, and build the report (raises ``RunDirError``)."""
     path = Path(run_dir)
-    frame = load_run(path, columns=MATRIX_COLUMNS, progress=progress)
-    mat = to_matrix(frame)
-    del frame
+    logs = read_logs(path, columns=MATRIX_COLUMNS, progress=progress)
+    mat = matrix_from_columns(
+        [t["rank"].to_numpy() for t in logs.tables],
+        [t["step"].to_numpy() for t in logs.tables],
+        {c: [t[c].to_numpy() for t in logs.tables] for c in MATRIX_COLUMNS},
+    )
+    del logs
     rank_meta = read_rank_meta(path)
     roles = {r: m["role"] for r, m in rank_meta.items() if m.get("role") is not None}
     verdict = detect(mat, config, groups=roles or None)

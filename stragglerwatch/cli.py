@@ -55,7 +55,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     from .analysis import analyze_run
     from .detect import DetectConfig
 
-    config = DetectConfig(window=args.window, min_slowdown=args.min_slowdown, z=args.z)
+    config = DetectConfig(window=args.window, long_window=args.long_window, min_slowdown=args.min_slowdown, z=args.z)
     analysis = analyze_run(args.run_dir, config, progress=Progress("reading logs"))
     if args.format == "json":
         text = json.dumps(analysis.report, indent=2)
@@ -125,6 +125,9 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
                    "html: self-contained report with figures (default file RUN_DIR/report.html)")  # fmt: skip
     p.add_argument("--out", metavar="FILE", help="write the report to FILE instead of stdout")
     p.add_argument("--window", type=int, default=24, help="steps of the rolling median (default 24)")
+    p.add_argument("--long-window", type=int, default=0,
+                   help="add a second, longer rolling median (e.g. 96) to find smaller stragglers in noisy "
+                   "runs, later (default 0: off)")  # fmt: skip
     p.add_argument("--min-slowdown", type=float, default=0.06,
                    help="smallest relative excess busy time that can be flagged (default 0.06 = 6%%)")  # fmt: skip
     p.add_argument("--z", type=float, default=6.0,

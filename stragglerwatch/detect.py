@@ -40,7 +40,8 @@ MATRIX_COLUMNS = ("busy_s", "step_s", "allreduce_wait_s", *(c for cols in CAUSES
 
 @dataclass(frozen=True)
 class DetectConfig:
-    window: int = 24  # steps in the rolling median
+    window: int = 24  # steps in the rolling median (fast detection of clear stragglers)
+    long_window: int = 0  # a second, longer median for subtle stragglers in noisy runs (0: off)
     confirm: int = 5  # consecutive steps above (below) the threshold to flag (clear)
     min_slowdown: float = 0.06  # relative busy excess a flag needs at the least
     z: float = 6.0  # noise multiple a window median must exceed
@@ -104,15 +105,25 @@ class StepMatrix:
 
 def to_matrix(frame: pd.DataFrame) -> StepMatrix:
     """Pivot a ``load_run`` frame into steps x ranks arrays."""
-    ranks = np.unique(frame["rank"].to_numpy())
-    steps = np.unique(frame["step"].to_numpy())
-    ri = np.searchsorted(ranks, frame["rank"].to_numpy())
-    si = np.searchsorted(steps, frame["step"].to_numpy())
-    values = {}
-    for col in MATRIX_COLUMNS:
-        m = np.full((len(steps), len(ranks)), np.nan)
-        m[si, ri] = frame[col].to_numpy(dtype=float)
-        values[col] = m
+    return matrix_from_columns(
+        frame["rank"].to_numpy(), frame["step"].to_numpy(), {c: frame[c].to_numpy(dtype=float) for c in MATRIX_COLUMNS}
+    )
+
+
+def matrix_from_columns(
+    rank: np.ndarray | list[np.ndarray], step: np.ndarray | list[np.ndarray], columns: dict[str, list | np.ndarray]
+) -> StepMatrix:
+    """Steps x ranks arrays from row-aligned columns (arrays, or lists of chunks read per file)."""
+    rank_chunks = rank if isinstance(rank, list) else [rank]
+    step_chunks = step if isinstance(step, list) else [step]
+    ranks = np.unique(np.concatenate(rank_chunks)) if rank_chunks else np.zeros(0, dtype=int)
+    steps = np.unique(np.concatenate(step_chunks)) if step_chunks else np.zeros(0, dtype=int)
+    values = {col: np.full((len(steps), len(ranks)), np.nan) for col in MATRIX_COLUMNS}
+    for k, (r, s) in enumerate(zip(rank_chunks, step_chunks, strict=True)):
+        ri, si = np.searchsorted(ranks, r), np.searchsorted(steps, s)
+        for col in MATRIX_COLUMNS:
+            chunk = columns[col] if isinstance(columns[col], np.ndarray) else columns[col][k]
+            values[col][si, ri] = chunk
     return StepMatrix(ranks, steps, values)
 
 
@@ -126,14 +137,28 @@ def peer_reference(busy: np.ndarray, members: np.ndarray) -> np.ndarray:
         return sub.copy()
     if n <= 8:
         for j in range(n):
-            ref[:, j] = np.nanmedian(np.delete(sub, j, axis=1), axis=1)
+            ref[:, j] = nanmedian(np.delete(sub, j, axis=1), axis=1)
     else:
-        ref[:] = np.nanmedian(sub, axis=1)[:, None]
+        ref[:] = nanmedian(sub, axis=1)[:, None]
     return ref
 
 
+def nanmedian(a: np.ndarray, axis: int) -> np.ndarray:
+    """``np.nanmedian`` without its slow per-row fallback when NaNs are present."""
+    if a.size == 0:
+        return np.full(a.shape[1 - axis] if a.ndim == 2 else 0, np.nan)
+    if not np.isnan(a).any():
+        return np.median(a, axis=axis)
+    ordered = np.sort(a, axis=axis)  # NaNs sort last
+    n = np.sum(~np.isnan(a), axis=axis)
+    lo = np.take_along_axis(ordered, np.expand_dims(np.maximum((n - 1) // 2, 0), axis), axis)
+    hi = np.take_along_axis(ordered, np.expand_dims(np.maximum(n // 2, 0), axis), axis)
+    out = np.squeeze((lo + hi) / 2.0, axis=axis)
+    return np.where(n == 0, np.nan, out)
+
+
 def _rolling_median(x: np.ndarray, window: int) -> np.ndarray:
-    return pd.DataFrame(x).rolling(window, min_periods=max(2, window // 2)).median().to_numpy()
+    return pd.DataFrame(x).rolling(window, min_periods=window).median().to_numpy()
 
 
 def _hysteresis(above: np.ndarray, below: np.ndarray, confirm: int) -> np.ndarray:
@@ -186,37 +211,41 @@ def detect(
         ref[:, idx] = peer_reference(busy, idx)
     with np.errstate(divide="ignore", invalid="ignore"):
         excess = busy / ref - 1.0
-    rolled = _rolling_median(excess, cfg.window) if n_steps else excess
-    jitter = np.abs(excess - rolled)
-    noise = 1.4826 * float(np.nanmedian(jitter)) if np.isfinite(jitter).any() else 0.0
-    stderr = 1.2533 * noise / np.sqrt(cfg.window)
-    on = max(cfg.min_slowdown, cfg.z * stderr)
-    off = on * cfg.off_ratio
-    step_med = np.nanmedian(mat.values["step_s"], axis=1) if n_steps else np.zeros(0)
-    abs_excess = busy - ref
-    abs_rolled = _rolling_median(abs_excess, cfg.window) if n_steps else abs_excess
-    big_enough = abs_rolled > cfg.min_step_fraction * step_med[:, None]
-    above = (rolled > on) & big_enough
-    below = ~(rolled > off)
-    flags = _hysteresis(above, below, cfg.confirm) if n_steps else np.zeros_like(busy, dtype=bool)
+    step_med = nanmedian(mat.values["step_s"], axis=1)
+    flags = np.zeros_like(busy, dtype=bool)
+    thresholds: dict[str, float] = {}
+    noise = 0.0
+    for w in (cfg.window, cfg.long_window):
+        if w <= 0 or not n_steps:
+            continue
+        rolled = _rolling_median(excess, w)
+        if w == cfg.window:  # per-step jitter of each rank around its own short-window median
+            jitter = np.abs(excess - rolled)
+            noise = 1.4826 * float(np.nanmedian(jitter)) if np.isfinite(jitter).any() else 0.0
+        on = max(cfg.min_slowdown, cfg.z * 1.2533 * noise / np.sqrt(w))
+        thresholds.update({f"on_{w}": on, f"off_{w}": on * cfg.off_ratio})
+        # the excess must also cost a noticeable part of the step
+        big_enough = rolled * ref > cfg.min_step_fraction * step_med[:, None]
+        flags |= _hysteresis((rolled > on) & big_enough, ~(rolled > on * cfg.off_ratio), cfg.confirm)
+    thresholds["noise"] = noise
 
     # healthy reference: median over the unflagged ranks of the group, per step
     healthy = np.where(flags, np.nan, busy)
     ref_h = np.full_like(busy, np.nan)
     for idx in members.values():
         with np.errstate(all="ignore"):
-            col = np.nanmedian(healthy[:, idx], axis=1) if len(idx) > 1 else busy[:, idx[0]]
-        ref_h[:, idx] = np.where(np.isnan(col), np.nanmedian(busy[:, idx], axis=1), col)[:, None]
+            col = nanmedian(healthy[:, idx], axis=1) if len(idx) > 1 else busy[:, idx[0]]
+        ref_h[:, idx] = np.where(np.isnan(col), nanmedian(busy[:, idx], axis=1), col)[:, None]
 
     stragglers = [
-        _describe(mat, excess, ref_h, flags, j, start, end, on, cfg)
+        _describe(mat, excess, ref_h, flags, j, start, end, cfg)
         for j in range(n_ranks)
         for start, end in _intervals(flags[:, j])
     ]
     stragglers.sort(key=lambda s: -s.lost_seconds)
 
     busy_max = np.nanmax(np.where(np.isnan(busy), -np.inf, busy), axis=1) if n_steps else np.zeros(0)
-    ref_job = np.nanmedian(ref_h, axis=1) if n_steps else np.zeros(0)
+    ref_job = nanmedian(ref_h, axis=1)
     step_job = np.nan_to_num(step_med)
     waste = np.clip(np.nan_to_num(busy_max - ref_job), 0.0, step_job)
     job = float(step_job.sum())
@@ -233,7 +262,7 @@ def detect(
         lost_seconds=float(waste.sum()),
         communication_bound=bool(comm >= cfg.comm_bound_fraction and not stragglers),
         comm_fraction=comm,
-        thresholds={"on": on, "off": off, "noise": noise},
+        thresholds=thresholds,
         slowdown=busy / ref_h,
         flags=flags,
     )
@@ -247,14 +276,13 @@ def _describe(
     j: int,
     start: int,
     end: int | None,
-    on: float,
     cfg: DetectConfig,
 ) -> Straggler:
     busy = mat.values["busy_s"]
     e = excess[:, j]
     stop = (end if end is not None else len(e)) - 1
     level = float(np.nanmedian(e[start : stop + 1]))
-    look = cfg.window + cfg.confirm
+    look = max(cfg.window, cfg.long_window) + cfg.confirm
     first = _change_point(e, max(0, start - look), start, level, onset=True)
     last = None if end is None else _change_point(e, max(first, end - look), end, level, onset=False)
     span = slice(first, (last if last is not None else stop) + 1)
@@ -268,7 +296,7 @@ def _describe(
     excess_ms = {}
     for cause, cols in CAUSES.items():
         phase = sum(mat.values[c][span] for c in cols)
-        peer = np.nanmedian(np.where(healthy, phase, np.nan), axis=1) if healthy.any() else np.nanmedian(phase, 1)
+        peer = nanmedian(np.where(healthy, phase, np.nan), axis=1) if healthy.any() else nanmedian(phase, 1)
         excess_ms[cause] = round(float(np.nanmedian(phase[:, j] - peer)) * 1000.0, 3)
     return Straggler(
         rank=int(mat.ranks[j]),
@@ -287,10 +315,10 @@ def _group_imbalance(
 ) -> list[GroupImbalance]:
     if len(members) < 2:
         return []
-    med = {g: np.nanmedian(busy[:, idx], axis=1) for g, idx in members.items()}
+    med = {g: nanmedian(busy[:, idx], axis=1) for g, idx in members.items()}
     out = []
     for g, series in med.items():
-        rest = np.nanmedian(np.column_stack([s for h, s in med.items() if h != g]), axis=1)
+        rest = nanmedian(np.column_stack([s for h, s in med.items() if h != g]), axis=1)
         ratio = float(np.nanmedian(series / rest))
         if ratio > 1.0 + cfg.group_min_slowdown:
             out.append(GroupImbalance(g, [int(ranks[i]) for i in members[g]], round(ratio, 4)))

@@ -22,10 +22,12 @@ import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .runinfo import RUN_META, read_run_meta
@@ -192,11 +194,23 @@ def _read_stream(path: Path) -> pa.Table | None:
             except (pa.ArrowInvalid, OSError, EOFError) as exc:
                 _warn(f"{path}: truncated after {sum(len(b) for b in batches)} steps (rank killed?): {exc}")
             return pa.Table.from_batches(batches, schema=reader.schema)
+    except FileNotFoundError:
+        raise
     except (pa.ArrowInvalid, OSError, EOFError) as exc:
         if path.stat().st_size == 0:
             return None  # created, nothing flushed yet
         _warn(f"{path}: skipped: not an Arrow stream ({exc})")
         return None
+
+
+def _read_log(path: Path, columns: list[str]) -> pa.Table | None:
+    if path.suffix == ".parquet":
+        return _read_parquet(path, columns)
+    try:
+        return _read_stream(path)
+    except FileNotFoundError:  # compacted to Parquet by its rank's close() while we listed the dir
+        twin = path.with_suffix(".parquet")
+        return _read_parquet(twin, columns) if twin.exists() else None
 
 
 def _read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table | None:
@@ -224,21 +238,22 @@ def log_files(run_dir: Path) -> list[Path]:
     return sorted(found.values())
 
 
-def load_run(
+@dataclass
+class RunLogs:
+    """The readable step logs of a run dir, as Arrow tables (one or more per rank)."""
+
+    path: Path
+    world_size: int
+    tables: list[pa.Table]
+    schema: pa.Schema
+
+
+def read_logs(
     run_dir: str | os.PathLike[str],
     columns: Sequence[str] | None = None,
     progress: Callable[[int, int], None] | None = None,
-) -> pd.DataFrame:
-    """One row per (rank, step) of a run dir: the step anatomy plus ``world_size``.
-
-    ``columns`` limits what is read (``rank`` and ``step`` always are): the
-    per-bucket list columns are costly in pandas for large runs. ``progress`` is
-    called as ``progress(files_read, files_total)``.
-
-    Raises :class:`RunDirError` for a path that is not a run dir; files that are
-    truncated, foreign or of another schema version are skipped or read in part
-    with a :class:`RunDirWarning` that names them.
-    """
+) -> RunLogs:
+    """Read (and validate) every step log of a run dir; see :func:`load_run`."""
     path = Path(run_dir)
     if not path.is_dir():
         raise RunDirError(f"{path}: not a directory")
@@ -256,19 +271,39 @@ def load_run(
         names = [n for n in names if n in ("rank", "step") or n in columns]
     schema = pa.schema([STEP_SCHEMA.field(n) for n in names])
     tables = []
+    ranks: set[int] = set()
     for i, f in enumerate(files):
-        table = _read_parquet(f, names) if f.suffix == ".parquet" else _read_stream(f)
+        table = _read_log(f, names)
         if table is not None and table.num_rows:
             tables.append(table.select(names).cast(schema))
+            ranks.update(pc.unique(table["rank"]).to_pylist())
         if progress:
             progress(i + 1, len(files))
-    frame = (pa.concat_tables(tables) if tables else schema.empty_table()).to_pandas()
-    ranks = set(frame["rank"].unique().tolist())
     world = int(meta["world_size"]) if meta else (max(ranks) + 1 if ranks else 0)
     missing = sorted(set(range(world)) - ranks)
     if missing and tables:
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
         _warn(f"{path}: no steps from rank(s) {shown} of {world}")
-    frame["world_size"] = world
+    return RunLogs(path, world, tables, schema)
+
+
+def load_run(
+    run_dir: str | os.PathLike[str],
+    columns: Sequence[str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> pd.DataFrame:
+    """One row per (rank, step) of a run dir: the step anatomy plus ``world_size``.
+
+    ``columns`` limits what is read (``rank`` and ``step`` always are): the
+    per-bucket list columns are costly in pandas for large runs. ``progress`` is
+    called as ``progress(files_read, files_total)``.
+
+    Raises :class:`RunDirError` for a path that is not a run dir; files that are
+    truncated, foreign or of another schema version are skipped or read in part
+    with a :class:`RunDirWarning` that names them.
+    """
+    logs = read_logs(run_dir, columns, progress)
+    frame = (pa.concat_tables(logs.tables) if logs.tables else logs.schema.empty_table()).to_pandas()
+    frame["world_size"] = logs.world_size
     frame = frame.sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
     return frame[[c for c in RUN_COLUMNS if c in frame.columns]]

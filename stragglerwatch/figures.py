@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 
-from .detect import StepMatrix, Verdict
+from .detect import StepMatrix, Verdict, nanmedian
 
 MAX_RANK_ROWS = 256
 MAX_STEP_COLS = 400
@@ -67,14 +67,14 @@ def heatmap(mat: StepMatrix, verdict: Verdict) -> go.Figure:
 
 def breakdown(mat: StepMatrix, verdict: Verdict) -> go.Figure:
     """Per-rank stacked median phase times; at most ``MAX_BARS`` ranks (flagged and busiest)."""
-    busy = np.nanmedian(mat.values["busy_s"], axis=0)
+    busy = nanmedian(mat.values["busy_s"], axis=0)
     flagged = {s.rank for s in verdict.stragglers}
     order = sorted(range(len(mat.ranks)), key=lambda j: (mat.ranks[j] not in flagged, -busy[j]))
     keep = sorted(order[:MAX_BARS], key=lambda j: mat.ranks[j])
     x = [f"{'*' if mat.ranks[j] in flagged else ''}{mat.ranks[j]}" for j in keep]
     fig = go.Figure()
     for col, name, color in PHASES:
-        ms = np.nanmedian(mat.values[col][:, keep], axis=0) * 1000.0 if col in mat.values else np.zeros(len(keep))
+        ms = nanmedian(mat.values[col][:, keep], axis=0) * 1000.0
         fig.add_bar(x=x, y=ms, name=name, marker_color=color)
     title = "Median step anatomy per rank (ms)"
     if len(keep) < len(mat.ranks):

@@ -140,6 +140,7 @@ def attach(
     enabled: bool = True,
     comm_hook: CommHook | None = None,
     bucket_timings: bool = False,
+    role: str | None = None,
     flush_interval_s: float = 1.0,
 ) -> Watch:
     """Record this rank's step anatomy for ``model`` (a DDP module, or a plain module
@@ -153,7 +154,8 @@ def attach(
     ``comm_hook``: ``(state, hook)`` of your own DDP communication hook, to be
     registered and timed by stragglerwatch (implies ``bucket_timings``).
     Without either, DDP's built-in all-reduce and any hook already registered
-    are left alone.
+    are left alone. ``role``: this rank's peer group (e.g. ``"stage3"`` of a
+    pipeline): ranks are compared only with ranks of the same role.
     ``watchdog_timeout_s`` and ``prometheus_port`` are accepted and reserved for
     the watchdog and the exporter. ``enabled=False`` or ``STRAGGLERWATCH_DISABLE=1``
     returns a no-op :class:`Watch`.
@@ -175,7 +177,7 @@ def attach(
         "bucket_timings": bucket_timings,
     }
     try:
-        write_meta(info, config, {"device": str(_model_device(model)), "timing": timing})
+        write_meta(info, config, {"device": str(_model_device(model)), "timing": timing, "role": role})
         path = log_path(info.run_dir, info.rank)
     except OSError as exc:
         warnings.warn(f"stragglerwatch: cannot write run dir {info.run_dir} ({exc}); not recording", stacklevel=2)

@@ -61,3 +61,32 @@ def torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 180, env: 
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+EXAMPLE = ROOT / "examples" / "train_ddp.py"
+
+
+@pytest.fixture(scope="session")
+def compute_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 gloo ranks, 60 steps; rank 2 is 20 ms a step slower in forward/backward from step 10."""
+    run = tmp_path_factory.mktemp("compute") / "run"
+    torchrun(4, EXAMPLE, "--steps", "60", "--slow-rank", "2", "--slowdown", "0.02", "--cause", "compute",
+             "--from-step", "10", "--run-dir", str(run))  # fmt: skip
+    return run
+
+
+@pytest.fixture(scope="session")
+def data_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 gloo ranks, 60 steps; rank 1's loader is 20 ms a batch slower from step 15."""
+    run = tmp_path_factory.mktemp("data") / "run"
+    torchrun(4, EXAMPLE, "--steps", "60", "--slow-rank", "1", "--slowdown", "0.02", "--cause", "data",
+             "--from-step", "15", "--run-dir", str(run))  # fmt: skip
+    return run
+
+
+@pytest.fixture(scope="session")
+def healthy_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 gloo ranks, 150 steps, nobody slowed: only this shared machine's noise."""
+    run = tmp_path_factory.mktemp("healthy") / "run"
+    torchrun(4, EXAMPLE, "--steps", "150", "--run-dir", str(run))
+    return run

@@ -158,3 +158,15 @@ def test_cli_summary_and_errors(make_run, capsys: pytest.CaptureFixture[str], tm
     assert cli_main(["summary", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("stragglerwatch: error:") and len(err.strip().splitlines()) == 1
+
+
+def test_stream_compacted_while_listing_is_read_from_parquet(make_run) -> None:
+    from stragglerwatch.eventlog import _read_log
+
+    run = make_run(1)
+    w = write_steps(run, 0, 4, close=False)
+    stream = run / "rank-00000.arrows"
+    w.close()  # compacts: the stream a reader listed a moment ago is gone
+    assert not stream.exists()
+    table = _read_log(stream, ["rank", "step"])
+    assert table is not None and table.num_rows == 4

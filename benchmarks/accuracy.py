@@ -1,0 +1,124 @@
+"""Detection accuracy on simulated clusters (not a pytest test).
+
+For each cluster size, simulated runs with 1-3 injected stragglers (slowdown drawn
+from 5-50%, onset anywhere, any cause) and straggler-free runs, all with per-step
+jitter, job-wide drift and transient spikes. Reports, per slowdown band: recall
+(injected stragglers flagged on the right rank), precision (flags that match an
+injection), cause accuracy, detection latency and onset error in steps; and the
+flags raised on straggler-free runs.
+
+    python benchmarks/accuracy.py                      # 64..4096 ranks
+    python benchmarks/accuracy.py --sizes 64 256 --trials 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from stragglerwatch.detect import DetectConfig, detect
+from stragglerwatch.simulate import CAUSE_PHASES, Injection, SimConfig, to_frame
+
+BANDS = ((0.05, 0.10), (0.10, 0.20), (0.20, 0.501))
+
+
+def band_of(slowdown: float) -> str:
+    for lo, hi in BANDS:
+        if lo <= slowdown < hi:
+            return f"{lo:.0%}-{min(hi, 0.5):.0%}"
+    return "other"
+
+
+def trial(ranks: int, steps: int, seed: int, noise: float, healthy: bool, long_window: int = 0) -> tuple[list, list]:
+    rng = np.random.default_rng(seed)
+    injections = []
+    if not healthy:
+        for rank in rng.choice(ranks, size=int(rng.integers(1, 4)), replace=False):
+            injections.append(
+                Injection(
+                    rank=int(rank),
+                    slowdown=float(rng.uniform(0.05, 0.5)),
+                    onset=int(rng.integers(0, steps - 60)),
+                    cause=str(rng.choice(list(CAUSE_PHASES))),
+                )
+            )
+    cfg = SimConfig(ranks=ranks, steps=steps, seed=seed, noise=noise, spike_prob=0.005, spike_mag=1.0,
+                    injections=injections)  # fmt: skip
+    verdict = detect(to_frame(cfg), DetectConfig(long_window=long_window))
+    return injections, verdict.stragglers
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    p.add_argument("--trials", type=int, default=12, help="runs with stragglers per size (default 12)")
+    p.add_argument("--healthy", type=int, default=4, help="straggler-free runs per size (default 4)")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--noise", type=float, default=0.03, help="per-step jitter (default 0.03)")
+    p.add_argument("--long-window", type=int, default=0, help="detection's second window (default 0: off)")
+    args = p.parse_args()
+
+    found: dict[str, list[int]] = defaultdict(list)  # band -> [hit 0/1]
+    cause_ok: dict[str, list[int]] = defaultdict(list)
+    latency: dict[str, list[int]] = defaultdict(list)
+    onset_err: dict[str, list[int]] = defaultdict(list)
+    flags_total = flags_matched = 0
+    healthy_flags = healthy_runs = 0
+    t0 = time.perf_counter()
+    seed = 0
+    for ranks in args.sizes:
+        for i in range(args.trials + args.healthy):
+            seed += 1
+            healthy = i >= args.trials
+            injections, flagged = trial(ranks, args.steps, seed, args.noise, healthy, args.long_window)
+            if healthy:
+                healthy_runs += 1
+                healthy_flags += len(flagged)
+                continue
+            by_rank = {inj.rank: inj for inj in injections}
+            for s in flagged:
+                flags_total += 1
+                inj = by_rank.get(s.rank)
+                flags_matched += int(inj is not None and s.detected_step >= inj.onset)
+            for inj in injections:
+                band = band_of(inj.slowdown)
+                hits = [s for s in flagged if s.rank == inj.rank and s.detected_step >= inj.onset]
+                found[band].append(int(bool(hits)))
+                if hits:
+                    cause_ok[band].append(int(hits[0].cause == inj.cause))
+                    latency[band].append(hits[0].detected_step - inj.onset)
+                    onset_err[band].append(abs(hits[0].first_step - inj.onset))
+        print(f"... {ranks} ranks done ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    print(
+        f"\nsizes {args.sizes}, {args.steps} steps, noise {args.noise:.0%}, spikes 0.5%/step of 1x a step, "
+        f"long window {args.long_window or 'off'}"
+    )
+    print(f"{'slowdown':>9} {'n':>4} {'recall':>7} {'cause ok':>9} {'latency med/p90':>16} {'onset err med/max':>18}")
+    for lo, _ in BANDS:
+        band = band_of(lo)
+        n = len(found[band])
+        if not n:
+            continue
+        lat, err = latency[band] or [0], onset_err[band] or [0]
+        print(
+            f"{band:>9} {n:>4} {statistics.mean(found[band]):>7.3f} {statistics.mean(cause_ok[band] or [0]):>9.3f} "
+            f"{statistics.median(lat):>8.0f}/{np.percentile(lat, 90):<7.0f} "
+            f"{statistics.median(err):>9.0f}/{max(err):<8}"
+        )
+    precision = flags_matched / flags_total if flags_total else 1.0
+    print(f"precision (all flags on runs with stragglers): {precision:.3f} ({flags_matched}/{flags_total})")
+    print(f"flags on straggler-free runs: {healthy_flags} in {healthy_runs} runs")
+    ge10 = [h for b in ("10%-20%", "20%-50%") for h in found[b]]
+    lat10 = [x for b in ("10%-20%", "20%-50%") for x in latency[b]]
+    if ge10:
+        recall = statistics.mean(ge10)
+        print(f"slowdown >= 10%: recall {recall:.3f}, median latency {statistics.median(lat10):.0f} steps")
+
+
+if __name__ == "__main__":
+    main()

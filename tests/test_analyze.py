@@ -1,0 +1,104 @@
+"""``stragglerwatch analyze`` and ``simulate`` through the CLI, on real 4-rank gloo runs and simulated runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stragglerwatch.cli import main as cli
+
+
+def analyze_json(run: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
+    assert cli(["analyze", str(run), "--format", "json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def check_contract(report: dict, world: int) -> None:
+    for key in ("world_size", "steps", "job_slowdown", "lost_seconds", "stragglers", "hangs", "ranks"):
+        assert key in report
+    assert report["world_size"] == world and len(report["ranks"]) == world
+    assert report["hangs"] == []
+    for s in report["stragglers"]:
+        assert {"rank", "cause", "slowdown", "first_step", "last_step", "lost_seconds"} <= set(s)
+
+
+@pytest.mark.distributed
+def test_real_compute_straggler(compute_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = analyze_json(compute_run, capsys)
+    check_contract(report, 4)
+    assert [(s["rank"], s["cause"]) for s in report["stragglers"]] == [(2, "compute")]
+    s = report["stragglers"][0]
+    assert abs(s["first_step"] - 10) <= 10 and s["detected_step"] <= 10 + 30
+    assert s["slowdown"] > 1.5 and s["lost_seconds"] > 0.3
+    assert report["job_slowdown"] > 1.2
+    assert [r["flagged"] for r in report["ranks"]] == [False, False, True, False]
+
+
+@pytest.mark.distributed
+def test_real_data_straggler(data_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = analyze_json(data_run, capsys)
+    check_contract(report, 4)
+    assert [(s["rank"], s["cause"]) for s in report["stragglers"]] == [(1, "data")]
+    assert abs(report["stragglers"][0]["first_step"] - 15) <= 10
+
+
+@pytest.mark.distributed
+def test_real_healthy_run_has_no_flag(healthy_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = analyze_json(healthy_run, capsys)
+    check_contract(report, 4)
+    assert report["stragglers"] == [] and report["group_imbalance"] == []
+
+
+@pytest.mark.distributed
+def test_text_and_html_reports(compute_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["analyze", str(compute_run)]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[2] == "1 straggler:" and "rank 2 is" in lines[3] and "compute" in text
+    assert max(len(line) for line in lines) <= 80
+    out = tmp_path / "r.html"
+    assert cli(["analyze", str(compute_run), "--format", "html", "--out", str(out)]) == 0
+    page = out.read_text()
+    assert page.startswith("<!DOCTYPE html>") and "rank 2 is" in page
+    assert page.count("Plotly.newPlot") == 3, "heatmap, breakdown and busy band"
+    assert "<script src=" not in page, "self-contained: plotly.js inlined"
+
+
+def test_simulate_then_analyze(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "sim"
+    args = ["simulate", str(run), "--ranks", "48", "--steps", "300", "--straggler", "7:0.2:100:data",
+            "--straggler", "30:0.12:50:optimizer:200", "--groups", "2"]  # fmt: skip
+    assert cli(args) == 0
+    truth = json.loads((run / "run.json").read_text())["simulation"]
+    assert len(truth["injections"]) == 2
+    report = analyze_json(run, capsys)
+    check_contract(report, 48)
+    got = {(s["rank"], s["cause"]) for s in report["stragglers"]}
+    assert got == {(7, "data"), (30, "optimizer")}
+    ended = next(s for s in report["stragglers"] if s["rank"] == 30)
+    assert abs(ended["last_step"] - 199) <= 10
+    assert {r["role"] for r in report["ranks"]} == {"group0", "group1"}
+
+
+def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cases = [
+        (["analyze", str(tmp_path / "missing")], "not a directory"),
+        (["analyze", str(tmp_path)], "not a stragglerwatch run dir"),
+        (["simulate", str(tmp_path / "x"), "--ranks", "4", "--steps", "10", "--straggler", "9:0.1"], "outside"),
+        (["simulate", str(tmp_path / "x"), "--ranks", "4", "--steps", "10", "--straggler", "1:0.1:0:gpu"], "cause"),
+        (["simulate", str(tmp_path / "x"), "--ranks", "0", "--steps", "10"], "at least 1"),
+    ]
+    for argv, needle in cases:
+        assert cli(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("stragglerwatch: error:") and needle in err[0], err
+
+
+def test_empty_run_dir(make_run, capsys: pytest.CaptureFixture[str]) -> None:
+    run = make_run(2)
+    report = analyze_json(run, capsys)
+    assert report["steps"] == 0 and report["stragglers"] == []
+    assert cli(["analyze", str(run)]) == 0
+    assert "no consistently slow rank" in capsys.readouterr().out

@@ -1,0 +1,137 @@
+"""The detection core on made-up timings (the simulator's arrays and hand-built frames)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from stragglerwatch.detect import DetectConfig, detect, to_matrix
+from stragglerwatch.simulate import Injection, SimConfig, simulate_arrays, to_frame
+
+
+def run(cfg: SimConfig, **kw: object):
+    return detect(to_frame(cfg), **kw)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_healthy_noisy_runs_have_no_flag(seed: int) -> None:
+    # 10% per-step jitter on every rank, job-wide drift and transient spikes of 2x a step
+    cfg = SimConfig(ranks=64, steps=600, seed=seed, noise=0.10, drift=0.05, spike_prob=0.01, spike_mag=2.0)
+    v = run(cfg)
+    assert v.stragglers == [] and v.groups == []
+    assert not v.flags.any()
+
+
+@pytest.mark.parametrize("cause", ["compute", "data", "optimizer", "other"])
+def test_ten_percent_straggler_found_with_cause_and_onset(cause: str) -> None:
+    cfg = SimConfig(ranks=32, steps=400, seed=1, injections=[Injection(rank=13, slowdown=0.10, onset=150, cause=cause)])
+    v = run(cfg)
+    assert [s.rank for s in v.stragglers] == [13]
+    s = v.stragglers[0]
+    assert s.cause == cause
+    assert abs(s.first_step - 150) <= 10
+    assert 150 <= s.detected_step <= 180, "flag within 30 steps of the onset"
+    assert s.last_step is None
+    assert s.slowdown == pytest.approx(1.10, abs=0.03)
+
+
+def test_one_off_spikes_and_short_bursts_never_flag() -> None:
+    cfg = SimConfig(ranks=16, steps=300, seed=2, spike_prob=0.0)
+    arrays = simulate_arrays(cfg)
+    arrays["other_s"][100, 3] += 5.0  # one step 50x slower
+    arrays["other_s"][200:206, 9] += 0.5  # six slow steps in a row
+    arrays["busy_s"] = sum(arrays[c] for c in ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "other_s"))
+    v = detect(to_frame(cfg, arrays))
+    assert v.stragglers == []
+
+
+def test_a_straggler_that_recovers_is_one_interval_with_an_end() -> None:
+    cfg = SimConfig(ranks=16, steps=500, seed=3, injections=[Injection(5, 0.3, onset=100, end=300)])
+    v = run(cfg)
+    assert len(v.stragglers) == 1, "no flapping: one flag for one slow period"
+    s = v.stragglers[0]
+    assert abs(s.first_step - 100) <= 10 and abs(s.last_step - 299) <= 10
+    assert not v.flags[300 + 96 :, 5].any(), "cleared within a long window"
+
+
+def test_borderline_straggler_does_not_flap() -> None:
+    # a rank hovering around the threshold: at most one interval, never on/off/on/off
+    cfg = SimConfig(ranks=16, steps=800, seed=4, noise=0.05, injections=[Injection(2, 0.07, onset=100)])
+    v = run(cfg)
+    assert len([s for s in v.stragglers if s.rank == 2]) <= 1
+    assert all(s.rank == 2 for s in v.stragglers)
+
+
+def test_what_if_cost_is_exact_without_noise() -> None:
+    cfg = SimConfig(ranks=8, steps=200, noise=0.0, drift=0.0, spike_prob=0.0, step_ms=100, comm_ms=10,
+                    injections=[Injection(6, 0.5, onset=50)])  # fmt: skip
+    v = run(cfg)
+    (s,) = v.stragglers
+    # 150 slow steps, each 50 ms longer than it would have been
+    assert s.lost_seconds == pytest.approx(150 * 0.050)
+    assert v.lost_seconds == pytest.approx(150 * 0.050)
+    actual = 50 * 0.110 + 150 * 0.160
+    assert v.job_seconds == pytest.approx(actual)
+    assert v.job_slowdown == pytest.approx(actual / (200 * 0.110))
+    assert s.slowdown == pytest.approx(1.5) and s.first_step == 50
+
+
+def test_two_stragglers_share_nothing_they_did_not_cost() -> None:
+    cfg = SimConfig(ranks=8, steps=200, noise=0.0, drift=0.0, spike_prob=0.0,
+                    injections=[Injection(1, 0.5, onset=0), Injection(2, 0.2, onset=0)])  # fmt: skip
+    v = run(cfg)
+    cost = {s.rank: s.lost_seconds for s in v.stragglers}
+    # fixing rank 1 alone still leaves rank 2's 20 ms; fixing rank 2 alone gains nothing
+    assert cost[1] == pytest.approx(200 * 0.030) and cost[2] == pytest.approx(0.0)
+    assert v.lost_seconds == pytest.approx(200 * 0.050)
+
+
+def test_communication_bound_job_is_not_a_straggler() -> None:
+    cfg = SimConfig(ranks=16, steps=300, seed=5, step_ms=20, comm_ms=200)
+    v = run(cfg)
+    assert v.stragglers == [] and v.communication_bound
+    assert v.comm_fraction > 0.8
+    healthy = run(SimConfig(ranks=16, steps=300, seed=5))
+    assert not healthy.communication_bound
+
+
+def test_peer_groups_and_group_imbalance() -> None:
+    cfg = SimConfig(ranks=16, steps=300, seed=6, injections=[Injection(3, 0.3, onset=100)])
+    arrays = simulate_arrays(cfg)
+    arrays["backward_s"][:, 8:] *= 1.5  # the second stage is slower as a whole
+    arrays["busy_s"] = sum(arrays[c] for c in ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "other_s"))
+    groups = {r: "stage0" if r < 8 else "stage1" for r in range(16)}
+    v = detect(to_frame(cfg, arrays), groups=groups)
+    assert [s.rank for s in v.stragglers] == [3], "ranks compared only within their stage"
+    assert [(g.group, g.ranks) for g in v.groups] == [("stage1", list(range(8, 16)))]
+    assert v.groups[0].slowdown == pytest.approx(1.27, abs=0.05)
+    # without the groups, the whole slow stage would be reported rank by rank
+    assert len(detect(to_frame(cfg, arrays)).stragglers) >= 8
+
+
+def test_two_rank_job() -> None:
+    cfg = SimConfig(ranks=2, steps=200, seed=7, injections=[Injection(1, 0.25, onset=60)])
+    v = run(cfg)
+    assert [s.rank for s in v.stragglers] == [1]
+    assert abs(v.stragglers[0].first_step - 60) <= 10
+
+
+def test_missing_rows_and_tiny_runs() -> None:
+    frame = to_frame(SimConfig(ranks=4, steps=100, seed=8, injections=[Injection(0, 0.5, onset=20)]))
+    frame = frame.drop(frame[(frame["rank"] == 2) & (frame["step"].between(30, 60))].index)
+    v = detect(frame)
+    assert [s.rank for s in v.stragglers] == [0]
+    assert np.isnan(v.slowdown[40, 2])
+    tiny = detect(to_frame(SimConfig(ranks=3, steps=3)))
+    assert tiny.stragglers == [] and tiny.job_seconds > 0
+    empty = detect(pd.DataFrame({c: [] for c in ["rank", "step", *to_frame(SimConfig(1, 1)).columns[2:]]}))
+    assert empty.stragglers == [] and empty.job_seconds == 0
+
+
+def test_config_knobs() -> None:
+    cfg = SimConfig(ranks=16, steps=300, seed=9, injections=[Injection(4, 0.08, onset=100)])
+    assert [s.rank for s in run(cfg).stragglers] == [4]
+    assert run(cfg, config=DetectConfig(min_slowdown=0.12)).stragglers == []
+    mat = to_matrix(to_frame(cfg))
+    assert mat.values["busy_s"].shape == (300, 16)
