@@ -66,27 +66,28 @@ def torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 180, env: 
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
 
 
+def example_run(factory: pytest.TempPathFactory, name: str, *args: str) -> Path:
+    """A 4-rank run of the example into a fresh run dir."""
+    run = factory.mktemp(name) / "run"
+    torchrun(4, EXAMPLE, *args, "--run-dir", str(run))
+    return run
+
+
 @pytest.fixture(scope="session")
 def compute_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 gloo ranks, 60 steps; rank 2 is 20 ms a step slower in forward/backward from step 10."""
-    run = tmp_path_factory.mktemp("compute") / "run"
-    torchrun(4, EXAMPLE, "--steps", "60", "--slow-rank", "2", "--slowdown", "0.02", "--cause", "compute",
-             "--from-step", "10", "--run-dir", str(run))  # fmt: skip
-    return run
+    args = ("--steps", "60", "--slow-rank", "2", "--slowdown", "0.02", "--cause", "compute", "--from-step", "10")
+    return example_run(tmp_path_factory, "compute", *args)
 
 
 @pytest.fixture(scope="session")
 def data_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 gloo ranks, 60 steps; rank 1's loader is 20 ms a batch slower from step 15."""
-    run = tmp_path_factory.mktemp("data") / "run"
-    torchrun(4, EXAMPLE, "--steps", "60", "--slow-rank", "1", "--slowdown", "0.02", "--cause", "data",
-             "--from-step", "15", "--run-dir", str(run))  # fmt: skip
-    return run
+    args = ("--steps", "60", "--slow-rank", "1", "--slowdown", "0.02", "--cause", "data", "--from-step", "15")
+    return example_run(tmp_path_factory, "data", *args)
 
 
 @pytest.fixture(scope="session")
 def healthy_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 gloo ranks, 150 steps, nobody slowed: only this shared machine's noise."""
-    run = tmp_path_factory.mktemp("healthy") / "run"
-    torchrun(4, EXAMPLE, "--steps", "150", "--run-dir", str(run))
-    return run
+    return example_run(tmp_path_factory, "healthy", "--steps", "150")
