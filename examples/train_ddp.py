@@ -7,7 +7,10 @@ with an optional injected straggler.
 Injections (on ``--slow-rank`` from ``--from-step`` on, ``--slowdown`` seconds a step):
 - ``compute``: the rank's forward and backward take longer (a third in forward,
   two thirds in backward), as on a throttled or weaker GPU;
-- ``data``: the rank's data loader takes longer to deliver each batch.
+- ``data``: the rank's data loader takes longer to deliver each batch;
+- ``optimizer``: the rank's ``optimizer.step()`` takes longer (slow host, CPU offload);
+- ``other``: host work between backward and the optimizer step takes longer
+  (logging, metrics, checkpoint bookkeeping).
 The training loop itself is plain PyTorch: stragglerwatch only sees it through
 ``attach(model)`` and ``watch.wrap(loader)``.
 """
@@ -97,7 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step, under no_sync() (default 1)")
     p.add_argument("--slow-rank", type=int, default=-1, help="rank to slow down (default: none)")
     p.add_argument("--slowdown", type=float, default=0.02, help="extra seconds a step on the slow rank (default 0.02)")
-    p.add_argument("--cause", choices=("compute", "data"), default="compute", help="what is slow (default compute)")
+    p.add_argument("--cause", choices=("compute", "data", "optimizer", "other"), default="compute",
+                   help="what is slow (default compute)")  # fmt: skip
     p.add_argument("--from-step", type=int, default=0, help="first slowed step (default 0)")
     p.add_argument("--run-dir", help="run dir (default $STRAGGLERWATCH_RUN_DIR or ./stragglerwatch-runs/<id>)")
     p.add_argument("--no-wrap", action="store_true", help="do not wrap the loader (data wait = gap before forward)")
@@ -129,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.no_watch
         else stragglerwatch.attach(model, args.run_dir, optimizer=optimizer, bucket_timings=args.bucket_timings)
     )
+    # registered after attach(), so that stragglerwatch's own pre-hook marks the optimizer start first
+    optimizer.register_step_pre_hook(lambda *_: time.sleep(injection.delay_for("optimizer")))
     batches = SlowLoader(loader, injection)
     source = watch.wrap(batches) if watch and not args.no_wrap else batches
     loss_fn = nn.CrossEntropyLoss()
@@ -144,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                 loss.backward()
             if not last_micro:
                 continue
+            time.sleep(injection.delay_for("other"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1

@@ -57,6 +57,9 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
     config = DetectConfig(window=args.window, long_window=args.long_window, min_slowdown=args.min_slowdown, z=args.z)
     analysis = analyze_run(args.run_dir, config, progress=Progress("reading logs"))
+    if analysis.report["steps"] == 0:
+        print(f"stragglerwatch: error: {args.run_dir}: empty run (no step recorded yet)", file=sys.stderr)
+        return 2
     if args.format == "json":
         text = json.dumps(analysis.report, indent=2)
     elif args.format == "html":
