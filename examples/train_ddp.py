@@ -11,6 +11,9 @@ Injections (on ``--slow-rank`` from ``--from-step`` on, ``--slowdown`` seconds a
 - ``optimizer``: the rank's ``optimizer.step()`` takes longer (slow host, CPU offload);
 - ``other``: host work between backward and the optimizer step takes longer
   (logging, metrics, checkpoint bookkeeping).
+Hangs: ``--stall-rank R --stall-at-step N --stall-seconds S`` makes rank R sleep
+S seconds before step N (the others then wait in the all-reduce); ``--kill-rank R
+--kill-at-step N`` SIGKILLs rank R there (torchrun then tears the job down).
 The training loop itself is plain PyTorch: stragglerwatch only sees it through
 ``attach(model)`` and ``watch.wrap(loader)``.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -105,6 +109,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--from-step", type=int, default=0, help="first slowed step (default 0)")
     p.add_argument("--run-dir", help="run dir (default $STRAGGLERWATCH_RUN_DIR or ./stragglerwatch-runs/<id>)")
     p.add_argument("--no-wrap", action="store_true", help="do not wrap the loader (data wait = gap before forward)")
+    p.add_argument("--stall-rank", type=int, default=-1, help="rank that stalls (default: none)")
+    p.add_argument("--stall-at-step", type=int, default=10, help="step before which it stalls (default 10)")
+    p.add_argument("--stall-seconds", type=float, default=30.0, help="how long it stalls (default 30)")
+    p.add_argument("--kill-rank", type=int, default=-1, help="rank to SIGKILL (default: none)")
+    p.add_argument("--kill-at-step", type=int, default=10, help="step before which it is killed (default 10)")
+    p.add_argument(
+        "--watchdog-timeout",
+        type=float,
+        default=None,
+        help="seconds without progress before a stall is recorded (default: adaptive; 0: off)",
+    )
     p.add_argument("--bucket-timings", action="store_true", help="also time each gradient bucket (comm hook)")
     p.add_argument("--no-watch", action="store_true", help="run without stragglerwatch (for comparison)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (default 1)")
@@ -131,7 +146,13 @@ def main(argv: list[str] | None = None) -> None:
     watch = (
         None
         if args.no_watch
-        else stragglerwatch.attach(model, args.run_dir, optimizer=optimizer, bucket_timings=args.bucket_timings)
+        else stragglerwatch.attach(
+            model,
+            args.run_dir,
+            optimizer=optimizer,
+            bucket_timings=args.bucket_timings,
+            watchdog_timeout_s=args.watchdog_timeout,
+        )
     )
     # registered after attach(), so that stragglerwatch's own pre-hook marks the optimizer start first
     optimizer.register_step_pre_hook(lambda *_: time.sleep(injection.delay_for("optimizer")))
@@ -142,6 +163,11 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     while step < args.steps:
         for x, y in source:
+            if rank == args.stall_rank and step == args.stall_at_step and micro % args.accum == 0:
+                args.stall_rank = -1  # once
+                time.sleep(args.stall_seconds)
+            if rank == args.kill_rank and step == args.kill_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             micro += 1
             last_micro = micro % args.accum == 0

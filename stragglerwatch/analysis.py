@@ -23,8 +23,10 @@ import numpy as np
 
 from .detect import MATRIX_COLUMNS, DetectConfig, StepMatrix, Verdict, detect, matrix_from_columns, nanmedian
 from .eventlog import read_logs
+from .hangs import hangs_from_events
 from .runinfo import read_rank_meta, read_run_meta
 from .schema import PHASE_COLUMNS
+from .watchdog import read_events
 
 REPORT_SCHEMA = "stragglerwatch-report/1"
 
@@ -110,6 +112,21 @@ def analyze_run(
     rank_meta = read_rank_meta(path)
     roles = {r: m["role"] for r, m in rank_meta.items() if m.get("role") is not None}
     verdict = detect(mat, config, groups=roles or None)
-    report = build_report(mat, verdict, read_run_meta(path), rank_meta)
+    run_meta = read_run_meta(path)
+    report = build_report(mat, verdict, run_meta, rank_meta)
     report["run_dir"] = str(path)
+    events, bad = read_events(path)
+    report["hangs"] = hangs_from_events(events, report["world_size"], last_steps(mat))
+    report["events"] = {"count": len(events), "skipped_lines": bad}
     return Analysis(report, mat, verdict)
+
+
+def last_steps(mat: StepMatrix) -> dict[int, int]:
+    """The last step each rank recorded."""
+    seen = ~np.isnan(mat.values["busy_s"])
+    out = {}
+    for j, rank in enumerate(mat.ranks.tolist()):
+        rows = np.flatnonzero(seen[:, j])
+        if len(rows):
+            out[rank] = int(mat.steps[rows[-1]])
+    return out

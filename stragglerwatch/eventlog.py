@@ -102,9 +102,12 @@ class EventLogWriter:
         while not self._stop.wait(self.flush_interval_s):
             self.flush()
 
-    def flush(self, block: bool = False) -> None:
-        """Write every step whose marks are resolved (all of them when ``block``)."""
-        with self._lock:
+    def flush(self, block: bool = False, lock_timeout_s: float = -1) -> None:
+        """Write every step whose marks are resolved (all of them when ``block``); gives up
+        after ``lock_timeout_s`` if another flush holds the log (a signal handler must not wait)."""
+        if not self._lock.acquire(timeout=lock_timeout_s):
+            return
+        try:
             try:
                 records = self._take_resolved(block)
             except Exception as exc:  # a broken event must not kill the thread
@@ -112,6 +115,8 @@ class EventLogWriter:
                 return
             if records:
                 self._write(records)
+        finally:
+            self._lock.release()
 
     def _take_resolved(self, block: bool) -> list[StepRecord]:
         while self._queue:

@@ -8,7 +8,7 @@ from typing import Any
 
 from . import figures
 from .analysis import Analysis
-from .render import verdict_lines
+from .render import hang_line, verdict_lines
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
@@ -63,6 +63,14 @@ def render_html(analysis: Analysis) -> str:
                 ],
             )  # fmt: skip
         )
+    if report["hangs"]:
+        parts.append("<h2>Hangs</h2>")
+        for h in report["hangs"]:
+            parts.append(f"<p>{html.escape(hang_line(h))}</p>")
+            for rank, stacks in (h.get("stacks") or {}).items():
+                for thread, stack in stacks.items():
+                    parts.append(f"<details><summary>rank {rank}: {html.escape(thread)}</summary>")
+                    parts.append(f"<pre>{html.escape(stack)}</pre></details>")
     if report["group_imbalance"]:
         parts.append("<h2>Group imbalance</h2>")
         parts.append(_table(report["group_imbalance"], [("group", "group"), ("slowdown", "busy vs other groups")]))

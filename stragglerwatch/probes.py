@@ -29,6 +29,7 @@ Boundaries:
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -76,6 +77,11 @@ class StepProbe:
         self._in_backward = False
         self._optimizer_id: int | None = None
         self.enabled = True
+        # where the training thread is, for the watchdog thread: (step, phase, since), one
+        # tuple assigned at once so that a reader never sees a torn update
+        self.where: tuple[int, str, float] = (0, "idle", self._now())
+        self.recent_steps: deque[float] = deque(maxlen=32)  # host seconds of the last steps
+        self.last_step_end: float | None = None  # perf_counter time the last step ended
 
     @property
     def steps(self) -> int:
@@ -102,17 +108,23 @@ class StepProbe:
         while True:
             t0 = now()
             m = self._cur or self._begin(t0) if self.enabled else None  # the first step starts here
+            self.where = (self._next_step, "data_wait", t0)
             try:
                 item = next(it)
             except StopIteration:
                 return
+            t1 = now()
+            self.where = (self._next_step, "other", t1)
             if m is not None:
-                m.data_wait_s += now() - t0
+                m.data_wait_s += t1 - t0
             yield item
 
     # -- forward ----------------------------------------------------------
     def on_forward_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if not self.enabled or not torch.is_grad_enabled():
+        if not self.enabled:
+            return
+        self.where = (self._next_step, "forward", self._now())  # evaluation forwards are progress too
+        if not torch.is_grad_enabled():
             return
         m = self._cur or self._begin()
         if self._fwd_open:  # the previous forward raised: drop its dangling start
@@ -121,6 +133,8 @@ class StepProbe:
         m.fwd_start.append(self._mark())
 
     def on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.enabled:
+            self.where = (self._next_step, "other", self._now())
         if not self._fwd_open:
             return
         self._fwd_open = False
@@ -134,6 +148,7 @@ class StepProbe:
         if self._in_backward or m is None or not self.enabled:
             return
         self._in_backward = True
+        self.where = (self._next_step, "backward", self._now())
         m.bwd_start.append(self._mark())
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
@@ -144,11 +159,15 @@ class StepProbe:
             return
         m.bwd_end.append(self._mark())
         if self._syncing is not None and self._syncing():
+            self.where = (self._next_step, "allreduce_wait", self._now())
             torch.autograd.Variable._execution_engine.queue_callback(self._on_synced)
+        else:
+            self.where = (self._next_step, "other", self._now())
 
     def _on_synced(self) -> None:
         m = self._cur
         if m is not None and m.bwd_end:
+            self.where = (self._next_step, "other", self._now())
             m.sync.append((m.bwd_end[-1], self._mark()))
 
     def comm_hook(self, inner: Callable[[Any, Any], torch.futures.Future] | None, state: Any) -> Callable:
@@ -197,6 +216,7 @@ class StepProbe:
         if not self.enabled or not self._is_tracked(optimizer):
             return
         m = self._cur or self._begin()
+        self.where = (self._next_step, "optimizer", self._now())
         m.opt_start = self._mark()
 
     def on_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -209,6 +229,9 @@ class StepProbe:
         self._next_step += 1
         self._cur = StepMarks(self._next_step, end, host, self._data_from_gap)
         self._in_backward = False
+        self.where = (self._next_step, "data_wait" if self._data_from_gap else "other", host)
+        self.recent_steps.append(host - m.host_start)
+        self.last_step_end = host
         self._sink(m)
 
 

@@ -43,9 +43,7 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
     for g in report.get("group_imbalance", []):
         lines.append(f"group imbalance: {g['group']} (ranks {_ranks(g['ranks'])}) is {g['slowdown']:.2f}x as busy")
     for h in report.get("hangs", []):
-        lines.append(
-            f"hang at step {h.get('step')} in {h.get('phase')}: culprit rank(s) {_ranks(h.get('culprit_ranks', []))}"
-        )
+        lines.append(hang_line(h))
     if report["communication_bound"]:
         lines.append(
             f"communication-bound: even the busiest rank waits {report['comm_fraction']:.0%} of each step "
@@ -57,6 +55,30 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
         f"({_duration(report['lost_seconds'])} lost to stragglers and jitter, {report['lost_gpu_seconds']:.0f} GPU-s)"
     )
     return lines
+
+
+def hang_line(h: dict[str, Any]) -> str:
+    """One sentence on a hang: who, where, who waited, what became of it."""
+    culprits = _ranks(h.get("culprit_ranks", [])) or "none identified"
+    kind = "job went down" if h.get("evidence") == "shutdown" else "stall"
+    text = f"{kind} at step {h.get('step')}: culprit rank(s) {culprits} in {h.get('phase')}"
+    if h.get("silent_ranks"):
+        text += f" (silent: {_ranks(h['silent_ranks'])}, dead or stuck in native code)"
+    if h.get("victim_ranks"):
+        text += f"; waiting in the all-reduce: {_ranks(h['victim_ranks'])}"
+    if h.get("waited_s"):
+        text += f"; noticed after {h['waited_s']:.1f} s"
+    if h.get("evidence") != "shutdown":
+        text += "; it recovered" if h.get("recovered") else "; no recovery recorded"
+    return text + "."
+
+
+def main_stack(stacks: dict[str, str], lines: int = 8) -> str:
+    """The last lines of the main thread's stack (where the culprit is stuck)."""
+    main = next((v for k, v in stacks.items() if k.startswith("MainThread")), None)
+    if main is None and stacks:
+        main = next(iter(stacks.values()))
+    return "\n".join((main or "").rstrip().splitlines()[-lines:])
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -84,6 +106,10 @@ def render_text(report: dict[str, Any], width: int = 80) -> str:
     lines = [head, ""]
     for line in verdict_lines(report):
         lines += _wrap(line, width)
+    for h in report.get("hangs", []):
+        for rank, stacks in (h.get("stacks") or {}).items():
+            lines += ["", f"rank {rank}, main thread, when the stall was noticed:"]
+            lines += ["  " + line[: width - 2] for line in main_stack(stacks).splitlines()]
     lines += ["", "per rank (medians, ms; busy = step - exposed all-reduce wait):"]
     lines.append(
         f"{'rank':>6} {'step':>7} {'busy':>7} {'data':>6} {'fwd':>6} {'bwd':>6} {'ar_wait':>7} "

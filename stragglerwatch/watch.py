@@ -27,6 +27,7 @@ from .eventlog import EventLogWriter, log_path
 from .probes import ForwardTimer, StepProbe, TimedIterable, cuda_mark
 from .runinfo import RunInfo, discover, write_meta
 from .timing import resolve_cuda
+from .watchdog import EventFile, PeerBoard, ShutdownHooks, Watchdog
 
 CommHook = tuple[Any, Callable[[Any, Any], torch.futures.Future]]
 
@@ -59,12 +60,19 @@ class Watch:
         probe: StepProbe | None = None,
         writer: EventLogWriter | None = None,
         handles: list[Any] | None = None,
+        watchdog: Watchdog | None = None,
+        wall_anchor: float = 0.0,
     ):
         self.info = info
         self._probe = probe
         self._writer = writer
         self._handles = handles or []
+        self._watchdog = watchdog
+        self._shutdown = ShutdownHooks(watchdog) if watchdog is not None else None
+        self._wall_anchor = wall_anchor
         self._closed = probe is None
+        if watchdog is not None:
+            watchdog.start()
 
     @property
     def enabled(self) -> bool:
@@ -79,12 +87,19 @@ class Watch:
         """Optimizer steps recorded so far on this rank."""
         return self._probe.steps if self._probe else 0
 
-    def stats(self) -> dict[str, int]:
-        """Counters of the event log: steps written, steps dropped, write errors."""
-        w = self._writer
-        if w is None:
-            return {"steps_written": 0, "dropped_steps": 0, "write_errors": 0}
-        return {"steps_written": w.steps_written, "dropped_steps": w.dropped_steps, "write_errors": w.write_errors}
+    def stats(self) -> dict[str, Any]:
+        """Counters: steps written/dropped, write errors, watchdog timeouts by phase, whether the
+        rank is stalled now, the wall-clock time the last step ended."""
+        w, wd, p = self._writer, self._watchdog, self._probe
+        last = p.last_step_end if p is not None else None
+        return {
+            "steps_written": w.steps_written if w else 0,
+            "dropped_steps": w.dropped_steps if w else 0,
+            "write_errors": (w.write_errors if w else 0) + (wd.events.errors if wd else 0),
+            "watchdog_timeouts": dict(wd.timeouts_by_phase) if wd else {},
+            "stalled": bool(wd and wd.stalled),
+            "last_step_timestamp": None if last is None else self._wall_anchor + last,
+        }
 
     def wrap(self, iterable: Iterable[Any]) -> Iterable[Any]:
         """Time every ``next()`` on ``iterable`` as data wait (exactly, instead of the
@@ -108,6 +123,11 @@ class Watch:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog.record("closed")
+        if self._shutdown is not None:
+            self._shutdown.remove()
         if self._writer is not None:
             self._writer.close()
 
@@ -156,9 +176,11 @@ def attach(
     Without either, DDP's built-in all-reduce and any hook already registered
     are left alone. ``role``: this rank's peer group (e.g. ``"stage3"`` of a
     pipeline): ranks are compared only with ranks of the same role.
-    ``watchdog_timeout_s`` and ``prometheus_port`` are accepted and reserved for
-    the watchdog and the exporter. ``enabled=False`` or ``STRAGGLERWATCH_DISABLE=1``
-    returns a no-op :class:`Watch`.
+    ``watchdog_timeout_s``: seconds without progress before the watchdog records
+    a stall and names the culprit; None (default) adapts to the job (10x the
+    median step, at least 10 s; 60 s until a few steps are done); 0 turns the
+    watchdog off. ``prometheus_port`` is accepted and reserved for the exporter.
+    ``enabled=False`` or ``STRAGGLERWATCH_DISABLE=1`` returns a no-op :class:`Watch`.
     """
     if not enabled or _disabled_by_env():
         return Watch()
@@ -200,7 +222,20 @@ def attach(
     else:
         handles.append(register_optimizer_step_pre_hook(probe.on_optimizer_pre))
         handles.append(register_optimizer_step_post_hook(probe.on_optimizer_post))
-    watch = Watch(info, probe, writer, handles)
+    watchdog = None
+    if watchdog_timeout_s is None or watchdog_timeout_s > 0:
+        board = PeerBoard(info.run_id, info.rank, info.world_size) if info.world_size > 1 else None
+        watchdog = Watchdog(
+            probe,
+            EventFile(info.run_dir / f"events-{info.rank:05d}.jsonl"),
+            info.rank,
+            info.world_size,
+            board,
+            timeout_s=watchdog_timeout_s,
+            wall_anchor=wall_anchor,
+            flush=lambda: writer.flush(lock_timeout_s=1.0),
+        )
+    watch = Watch(info, probe, writer, handles, watchdog, wall_anchor)
     if bucket_timings:
         state, inner = comm_hook if comm_hook is not None else (model.process_group, None)
         try:

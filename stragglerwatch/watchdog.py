@@ -1,0 +1,364 @@
+"""The per-rank watchdog thread: notices stalls, names the culprit through the job's
+store, and keeps the evidence when the job is torn down.
+
+Design: the training thread only assigns ``probe.where = (step, phase, since)`` at
+each hook. This thread polls it; when ``since`` is older than the threshold
+(``timeout_s``, or by default ``multiple`` x the median recent step time, at least
+``floor_s``; ``warmup_s`` until a few steps are done) it fires once per stall:
+an event with the phase, the time waited and the Python stacks of all threads is
+appended to ``events-NNNNN.jsonl`` and flushed at once. Then it publishes this
+rank's progress under a key of the c10d store that the process group already uses
+(its own client connection with a short timeout, so a dead store costs seconds,
+never a hang), waits a grace period for the others to do the same, reads them and
+writes a ``diagnosis`` event (``hangs.classify``: culprits, victims, silent ranks).
+When progress resumes, a ``recovery`` event follows. Every failure of ours is
+swallowed and counted: the watchdog never harms training.
+
+Shutdown evidence: a SIGTERM handler (torchrun's teardown) and an uncaught-exception
+hook record what the rank was doing. A rank blocked in native code (waiting in a
+collective) cannot run Python signal handlers, so the signal also wakes this thread
+through ``signal.set_wakeup_fd``: it records and flushes, and if the main thread
+still has not handled the signal after ``exit_grace_s``, exits the process (status
+143 = 128 + SIGTERM) as the default action would have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from .hangs import classify, local_verdict
+from .probes import StepProbe
+
+
+def thread_stacks(limit: int = 40) -> dict[str, str]:
+    """Python stack of every thread, by thread name."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = {}
+    for ident, frame in sys._current_frames().items():
+        out[f"{names.get(ident, 'thread')} ({ident})"] = "".join(traceback.format_stack(frame, limit=limit))
+    return out
+
+
+class EventFile:
+    """Append-only JSON Lines file of a rank's events, flushed and synced at every write."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.errors = 0
+        self._lock = threading.Lock()
+
+    def write(self, event: dict[str, Any]) -> None:
+        line = json.dumps(event, default=str) + "\n"
+        with self._lock:
+            try:
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(line)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError:
+                self.errors += 1
+
+
+def read_events(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
+    """Every event of a run dir, and how many lines could not be read (skipped)."""
+    events, bad = [], 0
+    for path in sorted(run_dir.glob("events-*.jsonl")):
+        try:
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            bad += 1
+            continue
+        for line in lines:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                bad += 1  # a line cut by a kill, or garbage
+                continue
+            if isinstance(ev, dict) and "kind" in ev and "rank" in ev:
+                events.append(ev)
+            else:
+                bad += 1
+    return events, bad
+
+
+class PeerBoard:
+    """This job's progress notes in its c10d store: ``stragglerwatch/<run>/where/<rank>``."""
+
+    def __init__(self, run_id: str, rank: int, world_size: int, timeout_s: float = 5.0):
+        self.prefix = f"stragglerwatch/{run_id}/where/"
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.errors = 0
+        self._client: Any = None
+        self._address: tuple[str, int] | None = self._store_address()
+
+    @staticmethod
+    def _store_address() -> tuple[str, int] | None:
+        try:
+            import torch.distributed as dist
+
+            store = dist.distributed_c10d._get_default_store()
+            while hasattr(store, "underlying_store"):
+                store = store.underlying_store
+            return str(store.host), int(store.port)
+        except Exception:
+            return None
+
+    def _store(self) -> Any:
+        if self._client is None and self._address is not None:
+            import torch.distributed as dist
+
+            host, port = self._address
+            self._client = dist.TCPStore(
+                host, port, is_master=False, timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False
+            )
+        return self._client
+
+    def publish(self, state: dict[str, Any]) -> bool:
+        try:
+            store = self._store()
+            if store is None:
+                return False
+            store.set(self.prefix + str(self.rank), json.dumps(state))
+            return True
+        except Exception:
+            self.errors += 1
+            return False
+
+    def read(self) -> dict[int, dict[str, Any] | None] | None:
+        """Every rank's latest note (None where there is none); None if the store is unreachable."""
+        try:
+            store = self._store()
+            if store is None:
+                return None
+            out: dict[int, dict[str, Any] | None] = {}
+            for r in range(self.world_size):
+                key = self.prefix + str(r)
+                out[r] = json.loads(store.get(key)) if store.check([key]) else None
+            return out
+        except Exception:
+            self.errors += 1
+            return None
+
+
+class Watchdog:
+    """One rank's watchdog thread. ``stats`` holds its counters for the exporter."""
+
+    def __init__(
+        self,
+        probe: StepProbe,
+        events: EventFile,
+        rank: int,
+        world_size: int,
+        board: PeerBoard | None,
+        *,
+        timeout_s: float | None = None,
+        floor_s: float = 10.0,
+        multiple: float = 10.0,
+        warmup_s: float = 60.0,
+        poll_s: float = 0.2,
+        wall_anchor: float = 0.0,
+        flush: Callable[[], None] | None = None,
+    ):
+        self.probe = probe
+        self.events = events
+        self.rank = rank
+        self.world_size = world_size
+        self.board = board
+        self.timeout_s = timeout_s
+        self.floor_s, self.multiple, self.warmup_s, self.poll_s = floor_s, multiple, warmup_s, poll_s
+        self.timeouts_by_phase: dict[str, int] = {}
+        self.stalled = False
+        self.errors = 0
+        self._wall = wall_anchor
+        self._flush = flush or (lambda: None)
+        self._stall: dict[str, Any] | None = None
+        self._stop = threading.Event()
+        self._wakeup: int | None = None
+        self._terminated = threading.Event()
+        self.exit_grace_s = 2.0
+        self._thread = threading.Thread(target=self._run, name=f"stragglerwatch-watchdog-{rank}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def threshold(self) -> float:
+        if self.timeout_s:
+            return float(self.timeout_s)
+        recent = list(self.probe.recent_steps)
+        if len(recent) < 3:
+            return max(self.warmup_s, self.floor_s)
+        return max(self.floor_s, self.multiple * statistics.median(recent))
+
+    def record(self, kind: str, **fields: Any) -> None:
+        """Write an event of this rank (e.g. ``closed``); never raises."""
+        try:
+            self._event(kind, **fields)
+        except Exception:
+            self.errors += 1
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        step, phase, since = self.probe.where
+        ev = {"kind": kind, "rank": self.rank, "step": step, "phase": phase, "since": self._wall + since,
+              "detected_at": time.time()}  # fmt: skip
+        ev.update(fields)
+        self.events.write(ev)
+        return ev
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._poll()
+            except Exception:  # never let the watchdog die of our own bug, nor harm training
+                self.errors += 1
+            self._wait()
+
+    def _wait(self) -> None:
+        if self._wakeup is None:
+            self._stop.wait(self.poll_s)
+            return
+        ready, _, _ = select.select([self._wakeup], [], [], self.poll_s)
+        if ready:
+            try:
+                data = os.read(self._wakeup, 64)
+            except OSError:
+                data = b""
+            if signal.SIGTERM in data:
+                self.on_terminate("SIGTERM", from_thread=True)
+
+    def _poll(self) -> None:
+        step, phase, since = self.probe.where
+        if phase == "idle":
+            return
+        now = time.perf_counter()
+        if self._stall is not None:
+            if (step, phase, since) != self._stall["where"]:
+                self._event("recovery", stall_id=self._stall["id"], stalled_s=round(now - self._stall["t"], 3))
+                self._stall, self.stalled = None, False
+            return
+        threshold = self.threshold()
+        if now - since <= threshold:
+            return
+        stall_id = f"{self.rank}-{step}-{int(self._wall + since)}"
+        self._stall = {"id": stall_id, "where": (step, phase, since), "t": since}
+        self.stalled = True
+        self.timeouts_by_phase[phase] = self.timeouts_by_phase.get(phase, 0) + 1
+        ev = self._event("stall", id=stall_id, waited_s=round(now - since, 3), threshold_s=round(threshold, 3),
+                         stacks=thread_stacks())  # fmt: skip
+        self._diagnose(ev, grace_s=max(2.0, 2 * statistics.median(self.probe.recent_steps or [0.0])))
+
+    def _diagnose(self, stall: dict[str, Any], grace_s: float) -> None:
+        own = {"step": stall["step"], "phase": stall["phase"], "since": stall["since"], "at": stall["detected_at"]}
+        states = None
+        if self.board is not None and self.board.publish(own):
+            self._stop.wait(grace_s)
+            states = self.board.read()
+            if states is not None:  # notes from an older stall do not speak for this one
+                horizon = stall["since"] - stall["threshold_s"]
+                states = {r: s if s and s.get("at", 0) >= horizon else None for r, s in states.items()}
+                states[self.rank] = own
+        if states is None:  # store unreachable (rank 0's host dead?): what this rank knows itself
+            verdict, evidence = local_verdict({self.rank: own}, self.world_size), "local"
+        else:
+            verdict, evidence = classify(states, self.world_size), "store"
+        hang_step, hang_phase = verdict.pop("step"), verdict.pop("phase")
+        self._event("diagnosis", stall_id=stall["id"], evidence=evidence, peers=states, hang_step=hang_step,
+                    hang_phase=hang_phase, threshold_s=stall["threshold_s"], **verdict)  # fmt: skip
+
+    # -- shutdown evidence ----------------------------------------------------
+    def on_terminate(self, reason: str, from_thread: bool = False) -> None:
+        """Record once what the rank was doing, flush the step log."""
+        if self._terminated.is_set():
+            return
+        self._terminated.set()
+        try:
+            self._event("sigterm" if reason == "SIGTERM" else "exception", reason=reason)
+            self._flush()
+        except Exception:
+            self.errors += 1
+        if from_thread and self._exit_if_stuck:
+            # the main thread cannot run the Python handler while blocked in native code
+            time.sleep(self.exit_grace_s)
+            os._exit(128 + signal.SIGTERM)
+
+    _exit_if_stuck = False
+
+
+class ShutdownHooks:
+    """SIGTERM handler (main thread only), wakeup fd for the watchdog, uncaught-exception hook."""
+
+    def __init__(self, watchdog: Watchdog):
+        self.watchdog = watchdog
+        self._prev_handler: Any = None
+        self._prev_excepthook = sys.excepthook
+        self._pipe: tuple[int, int] | None = None
+        self._prev_wakeup = -1
+        sys.excepthook = self._excepthook
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            self._prev_handler = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            self._prev_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            if self._prev_wakeup != -1:  # somebody (asyncio?) uses it: leave it to them
+                signal.set_wakeup_fd(self._prev_wakeup)
+                os.close(r)
+                os.close(w)
+            else:
+                self._pipe = (r, w)
+                watchdog._wakeup = r
+                watchdog._exit_if_stuck = self._prev_handler in (signal.SIG_DFL, None)
+        except (ValueError, OSError):
+            pass
+
+    def _excepthook(self, exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if not issubclass(exc_type, KeyboardInterrupt):
+            self.watchdog.on_terminate(f"{exc_type.__name__}: {exc}"[:500])
+        self._prev_excepthook(exc_type, exc, tb)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.watchdog.on_terminate("SIGTERM")
+        prev = self._prev_handler
+        if callable(prev):
+            prev(signum, frame)
+        elif prev != signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def remove(self) -> None:
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._prev_excepthook
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, self._prev_handler if self._prev_handler is not None else signal.SIG_DFL)
+            if self._pipe is not None:
+                signal.set_wakeup_fd(-1)
+                self.watchdog._wakeup = None
+                for fd in self._pipe:
+                    os.close(fd)
+                self._pipe = None
+        except (ValueError, OSError):
+            pass
