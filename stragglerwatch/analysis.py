@@ -26,6 +26,7 @@ from .eventlog import read_logs
 from .hangs import hangs_from_events
 from .runinfo import read_rank_meta, read_run_meta
 from .schema import PHASE_COLUMNS
+from .torchlogs import LogParse
 from .watchdog import read_events
 
 REPORT_SCHEMA = "stragglerwatch-report/1"
@@ -119,6 +120,23 @@ def analyze_run(
     report["hangs"] = hangs_from_events(events, report["world_size"], last_steps(mat))
     report["events"] = {"count": len(events), "skipped_lines": bad}
     return Analysis(report, mat, verdict)
+
+
+def empty_analysis() -> Analysis:
+    """The analysis of no run at all (``analyze --logs`` without a run dir)."""
+    mat = matrix_from_columns([], [], {c: [] for c in MATRIX_COLUMNS})
+    verdict = detect(mat)
+    report = build_report(mat, verdict, None, {})
+    report["world_size"] = None
+    return Analysis(report, mat, verdict)
+
+
+def add_pytorch_logs(report: dict[str, Any], parsed: LogParse) -> None:
+    """Add what PyTorch's own messages say: ``log_events``, ``first_failure``, line counts."""
+    report["log_events"] = [e.to_dict() for e in parsed.events]
+    report["first_failure"] = parsed.first_failure()
+    report["log_lines"] = parsed.lines
+    report["log_skipped_lines"] = parsed.skipped
 
 
 def last_steps(mat: StepMatrix) -> dict[int, int]:

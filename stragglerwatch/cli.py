@@ -52,14 +52,27 @@ class Progress:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from .analysis import analyze_run
+    from .analysis import add_pytorch_logs, analyze_run, empty_analysis
     from .detect import DetectConfig
+    from .torchlogs import parse_files
 
-    config = DetectConfig(window=args.window, long_window=args.long_window, min_slowdown=args.min_slowdown, z=args.z)
-    analysis = analyze_run(args.run_dir, config, progress=Progress("reading logs"))
-    if analysis.report["steps"] == 0:
-        print(f"stragglerwatch: error: {args.run_dir}: empty run (no step recorded yet)", file=sys.stderr)
+    if args.run_dir is None and not args.logs:
+        print("stragglerwatch: error: give a RUN_DIR, --logs FILE..., or both", file=sys.stderr)
         return 2
+    config = DetectConfig(window=args.window, long_window=args.long_window, min_slowdown=args.min_slowdown, z=args.z)
+    if args.run_dir is not None:
+        analysis = analyze_run(args.run_dir, config, progress=Progress("reading logs"))
+        if analysis.report["steps"] == 0 and not args.logs and not analysis.report["hangs"]:
+            print(f"stragglerwatch: error: {args.run_dir}: empty run (no step recorded yet)", file=sys.stderr)
+            return 2
+    else:
+        analysis = empty_analysis()
+    if args.logs:
+        try:
+            add_pytorch_logs(analysis.report, parse_files(args.logs))
+        except ValueError as exc:
+            print(f"stragglerwatch: error: {exc}", file=sys.stderr)
+            return 2
     if args.format == "json":
         text = json.dumps(analysis.report, indent=2)
     elif args.format == "html":
@@ -67,7 +80,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
         text = render_html(analysis)
         if args.out is None:
-            args.out = str(Path(args.run_dir) / "report.html")
+            args.out = str(Path(args.run_dir or ".") / "report.html")
     else:
         from .render import render_text
 
@@ -122,7 +135,13 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
         "why (data, compute, optimizer, other), and what they cost the job (what-if: each step without "
         "the excess of the slowest rank; job slowdown S = actual / ideal time).",
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run dir written by stragglerwatch.attach() or simulate")
+    p.add_argument(
+        "run_dir", metavar="RUN_DIR", nargs="?", help="a run dir written by stragglerwatch.attach() or simulate"
+    )
+    p.add_argument("--logs", nargs="+", metavar="FILE", default=[],
+                   help="torchrun/worker log files to read PyTorch's own failure messages from (NCCL watchdog "
+                   "and heartbeat timeouts, gloo timeouts, monitoredBarrier, torchrun's ChildFailedError): "
+                   "the report names the first failing rank and collective")  # fmt: skip
     p.add_argument("--format", choices=("text", "json", "html"), default="text",
                    help="text (default): verdict and per-rank table; json: one object (see README); "
                    "html: self-contained report with figures (default file RUN_DIR/report.html)")  # fmt: skip

@@ -81,6 +81,28 @@ def main_stack(stacks: dict[str, str], lines: int = 8) -> str:
     return "\n".join((main or "").rstrip().splitlines()[-lines:])
 
 
+def pytorch_log_lines(report: dict[str, Any], width: int = 80, most: int = 12) -> list[str]:
+    """What PyTorch's own log messages say (``analyze --logs``)."""
+    if "log_events" not in report:
+        return []
+    events = report["log_events"]
+    lines = ["", f"PyTorch logs: {report['log_lines']} lines, {len(events)} failure messages "
+             f"({report['log_skipped_lines']} other lines skipped)"]  # fmt: skip
+    first = report.get("first_failure")
+    if first:
+        what = " ".join(str(x) for x in (f"SeqNum {first['seq']}" if first.get("seq") is not None else None,
+                                         first.get("op")) if x)  # fmt: skip
+        lines += _wrap(f"  first failure: rank {first.get('rank')}" + (f", collective {what}" if what else "")
+                       + f" ({first.get('kind')}, line {first.get('line_no')})", width)  # fmt: skip
+    for e in events[:most]:
+        fields = [f"{k}={e[k]}" for k in ("rank", "pg", "seq", "op", "timeout_ms", "ran_for_ms", "exit_code",
+                                          "signal", "peer") if e.get(k) is not None]  # fmt: skip
+        lines += _wrap(f"  line {e['line_no']}: {e['kind']} " + " ".join(fields), width)
+    if len(events) > most:
+        lines.append(f"  ... {len(events) - most} more (--format json for all)")
+    return lines
+
+
 def _ranks(ranks: list[int]) -> str:
     shown = ", ".join(map(str, ranks[:8]))
     return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
@@ -99,6 +121,8 @@ def _wrap(line: str, width: int) -> list[str]:
 
 
 def render_text(report: dict[str, Any], width: int = 80) -> str:
+    if not report["ranks_seen"] and not report.get("hangs"):  # PyTorch logs alone
+        return "\n".join(pytorch_log_lines(report, width)[1:])
     head = (
         f"run {report.get('run_id') or '?'}: {report['ranks_seen']} of {report['world_size']} ranks, "
         f"{report['steps']} steps"
@@ -106,6 +130,7 @@ def render_text(report: dict[str, Any], width: int = 80) -> str:
     lines = [head, ""]
     for line in verdict_lines(report):
         lines += _wrap(line, width)
+    lines += pytorch_log_lines(report, width)
     for h in report.get("hangs", []):
         for rank, stacks in (h.get("stacks") or {}).items():
             lines += ["", f"rank {rank}, main thread, when the stall was noticed:"]
