@@ -12,6 +12,16 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   echo "setup: installing torch==2.13.0 (CPU build)"
   pip_install "torch==2.13.0"
 fi
+# Prometheus (server and promtool) for the exporter's real-server tests: Debian's package, as root
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing Prometheus (apt-get)"
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+  else
+    echo "setup: WARNING: prometheus/promtool not found and cannot apt-get install them (not root on Debian):" \
+         "the Prometheus tests will be skipped" >&2
+  fi
+fi
 echo "setup: installing stragglerwatch and its dev tools"
 pip_install -e ".[dev]"
 .venv/bin/python -c 'import torch, stragglerwatch; print(f"setup: ok (stragglerwatch {stragglerwatch.__version__}, torch {torch.__version__})")'

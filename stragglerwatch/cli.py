@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -126,6 +127,43 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prometheus_config(args: argparse.Namespace) -> int:
+    from .promrules import installed_rules, render_config
+    from .runinfo import read_run_meta
+
+    run = Path(args.run_dir).resolve()
+    meta = read_run_meta(run)
+    if meta is None:
+        print(f"stragglerwatch: error: {run}: not a stragglerwatch run dir (no readable run.json)", file=sys.stderr)
+        return 2
+    sd_dir = Path(args.sd_dir or os.environ.get("STRAGGLERWATCH_SD_DIR") or run).resolve()
+    pattern = (
+        str(sd_dir / f"stragglerwatch-{meta['run_id']}-*.json")
+        if not args.all_runs
+        else str(sd_dir / "stragglerwatch-*.json")
+    )
+    rules = [str(Path(r).resolve()) for r in args.rules] or [str(installed_rules())]
+    print(render_config([pattern], rules, args.scrape_interval), end="")
+    return 0
+
+
+def _add_prometheus_config(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prometheus-config",
+        help="print a prometheus.yml that scrapes a run's ranks (file_sd) with stragglerwatch's rules",
+        description="Print a complete prometheus.yml: a scrape job over the file_sd target files the ranks of "
+        "RUN_DIR publish (attach(..., prometheus_port=P)), and rule_files pointing at the rules installed with "
+        "stragglerwatch. Use it as is: prometheus --config.file=prometheus.yml",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run dir (its run.json names the run)")
+    p.add_argument("--sd-dir", help="where the target files are (default $STRAGGLERWATCH_SD_DIR or RUN_DIR)")
+    p.add_argument("--all-runs", action="store_true", help="scrape every run's targets in the SD dir")
+    p.add_argument("--scrape-interval", default="15s", help="scrape and rule evaluation interval (default 15s)")
+    p.add_argument("--rules", action="append", default=[], metavar="FILE",
+                   help="rule files to load instead of the installed ones (repeatable)")  # fmt: skip
+    p.set_defaults(func=cmd_prometheus_config)
+
+
 def _add_analyze(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "analyze",
@@ -205,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_summary)
     _add_analyze(sub)
     _add_simulate(sub)
+    _add_prometheus_config(sub)
     return parser
 
 

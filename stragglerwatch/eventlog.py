@@ -86,6 +86,7 @@ class EventLogWriter:
         self._wall_anchor = wall_anchor
         self._timing = timing
         self._resolve = resolve or _host_resolve
+        self.observers: list[Callable[[list[StepRecord]], None]] = []  # e.g. the exporter's aggregates
         self._queue: deque[StepMarks] = deque()
         self._pending: deque[StepMarks] = deque()
         self._lock = threading.Lock()
@@ -115,6 +116,11 @@ class EventLogWriter:
                 return
             if records:
                 self._write(records)
+                for observe in self.observers:
+                    try:
+                        observe(records)
+                    except Exception:
+                        self.write_errors += 1
         finally:
             self._lock.release()
 

@@ -98,7 +98,7 @@ def discover(run_dir: str | os.PathLike[str] | None = None) -> RunInfo:
     return RunInfo(run_id, path, rank, local_rank, world, socket.gethostname())
 
 
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .eventlog import EventLogWriter, log_path
+from .exporter import Exporter, RankCollector, RankMetrics
 from .probes import ForwardTimer, StepProbe, TimedIterable, cuda_mark
 from .runinfo import RunInfo, discover, write_meta
 from .timing import resolve_cuda
@@ -62,7 +63,9 @@ class Watch:
         handles: list[Any] | None = None,
         watchdog: Watchdog | None = None,
         wall_anchor: float = 0.0,
+        exporter: Exporter | None = None,
     ):
+        self._exporter = exporter
         self.info = info
         self._probe = probe
         self._writer = writer
@@ -96,6 +99,8 @@ class Watch:
             "steps_written": w.steps_written if w else 0,
             "dropped_steps": w.dropped_steps if w else 0,
             "write_errors": (w.write_errors if w else 0) + (wd.events.errors if wd else 0),
+            "exporter_errors": self._exporter.errors if self._exporter else 0,
+            "metrics_port": self._exporter.port if self._exporter and self._exporter.server else None,
             "watchdog_timeouts": dict(wd.timeouts_by_phase) if wd else {},
             "stalled": bool(wd and wd.stalled),
             "last_step_timestamp": None if last is None else self._wall_anchor + last,
@@ -130,6 +135,8 @@ class Watch:
             self._shutdown.remove()
         if self._writer is not None:
             self._writer.close()
+        if self._exporter is not None:
+            self._exporter.close()
 
     def __enter__(self) -> Watch:
         return self
@@ -142,6 +149,29 @@ class Watch:
             return "Watch(disabled)"
         state = "closed" if self._closed else "open"
         return f"Watch(run={self.info.run_id!r}, rank={self.info.rank}, steps={self.steps}, {state})"
+
+
+def _start_exporter(
+    info: RunInfo, writer: EventLogWriter, watchdog: Watchdog | None, port: int | None, addr: str | None
+) -> Exporter | None:
+    env_port = os.environ.get("STRAGGLERWATCH_PROMETHEUS_PORT", "").strip()
+    if port is None and env_port:
+        try:
+            port = int(env_port)
+        except ValueError:
+            warnings.warn(f"stragglerwatch: STRAGGLERWATCH_PROMETHEUS_PORT={env_port!r} is not a port", stacklevel=3)
+    if port is None:
+        return None
+    metrics = RankMetrics()
+    writer.observers.append(metrics.observe)
+    collector = RankCollector(metrics, info, watchdog, errors=lambda: writer.write_errors)
+    sd_dir = os.environ.get("STRAGGLERWATCH_SD_DIR") or None
+    return Exporter(
+        collector,
+        port + info.local_rank,
+        addr or os.environ.get("STRAGGLERWATCH_PROMETHEUS_ADDR") or "0.0.0.0",
+        Path(sd_dir) if sd_dir else None,
+    )
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
@@ -161,6 +191,7 @@ def attach(
     comm_hook: CommHook | None = None,
     bucket_timings: bool = False,
     role: str | None = None,
+    prometheus_addr: str | None = None,
     flush_interval_s: float = 1.0,
 ) -> Watch:
     """Record this rank's step anatomy for ``model`` (a DDP module, or a plain module
@@ -179,7 +210,10 @@ def attach(
     ``watchdog_timeout_s``: seconds without progress before the watchdog records
     a stall and names the culprit; None (default) adapts to the job (10x the
     median step, at least 10 s; 60 s until a few steps are done); 0 turns the
-    watchdog off. ``prometheus_port`` is accepted and reserved for the exporter.
+    watchdog off. ``prometheus_port`` (or ``$STRAGGLERWATCH_PROMETHEUS_PORT``):
+    serve ``/metrics`` on ``port + local_rank``, bound to ``prometheus_addr``
+    (``$STRAGGLERWATCH_PROMETHEUS_ADDR``, default all interfaces), and publish a
+    file_sd target in the run dir (or ``$STRAGGLERWATCH_SD_DIR``).
     ``enabled=False`` or ``STRAGGLERWATCH_DISABLE=1`` returns a no-op :class:`Watch`.
     """
     if not enabled or _disabled_by_env():
@@ -235,7 +269,8 @@ def attach(
             wall_anchor=wall_anchor,
             flush=lambda: writer.flush(lock_timeout_s=1.0),
         )
-    watch = Watch(info, probe, writer, handles, watchdog, wall_anchor)
+    exporter = _start_exporter(info, writer, watchdog, prometheus_port, prometheus_addr)
+    watch = Watch(info, probe, writer, handles, watchdog, wall_anchor, exporter)
     if bucket_timings:
         state, inner = comm_hook if comm_hook is not None else (model.process_group, None)
         try:

@@ -1,0 +1,179 @@
+"""The exporter, the rules and the generated config, against real promtool and a real Prometheus server."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import EXAMPLE, ROOT, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+from torch import nn
+
+import stragglerwatch
+from stragglerwatch.cli import main as cli
+from stragglerwatch.promrules import installed_rules, render_rules
+
+PROMETHEUS = shutil.which("prometheus")
+PROMTOOL = shutil.which("promtool")
+needs_prometheus = pytest.mark.skipif(
+    PROMETHEUS is None or PROMTOOL is None,
+    reason="PROMETHEUS TESTS SKIPPED: install Debian's 'prometheus' package (scripts/setup.sh does so as root)",
+)
+RULES_DIR = ROOT / "grafana" / "prometheus"
+
+
+def free_ports(n: int) -> int:
+    """A base port with ``n`` consecutive free ports on loopback."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        try:
+            socks = []
+            for i in range(n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free ports")
+
+
+def scrape(port: int) -> dict:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_shipped_rules_are_the_generated_defaults() -> None:
+    assert installed_rules().read_text() == render_rules()
+    assert (RULES_DIR / "stragglerwatch.rules.yml").resolve() == installed_rules().resolve()
+
+
+@needs_prometheus
+def test_promtool_checks_and_unit_tests_the_rules(tmp_path: Path) -> None:
+    out = subprocess.run([PROMTOOL, "check", "rules", str(installed_rules())], capture_output=True, text=True)
+    assert out.returncode == 0 and "SUCCESS: 9 rules found" in out.stdout, out.stdout + out.stderr
+    out = subprocess.run([PROMTOOL, "test", "rules", "rules_test.yml"], cwd=RULES_DIR, capture_output=True, text=True)
+    assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
+
+
+def test_exporter_series_labels_sd_file_and_port_in_use(tmp_path: Path) -> None:
+    port = free_ports(1)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "run"
+    watch = stragglerwatch.attach(model, run, optimizer=opt, prometheus_port=port, prometheus_addr="127.0.0.1")
+    for _ in range(12):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    watch.flush()
+    families = scrape(port)
+    names = ["step_seconds", "busy_seconds", "phase_seconds", "steps", "last_step_timestamp_seconds", "stalled"]
+    for name in (f"stragglerwatch_{n}" for n in names):
+        samples = families[name].samples
+        assert samples and all(s.labels["run"] == "run" and s.labels["rank"] == "0" for s in samples), name
+    steps = families["stragglerwatch_steps"].samples[0]
+    assert steps.name == "stragglerwatch_steps_total" and steps.value == 12
+    phases = {s.labels["phase"] for s in families["stragglerwatch_phase_seconds"].samples}
+    assert phases == {"data_wait", "forward", "backward", "allreduce_wait", "optimizer", "other"}
+    info = (families.get("stragglerwatch_rank") or families["stragglerwatch_rank_info"]).samples[0]
+    assert info.labels["local_rank"] == "0" and info.labels["host"] == socket.gethostname()
+    (sd,) = run.glob("stragglerwatch-*.json")
+    assert json.loads(sd.read_text()) == [
+        {"targets": [f"127.0.0.1:{port}"], "labels": {"run": "run", "rank": "0", "host": socket.gethostname()}}
+    ]
+    with pytest.warns(UserWarning, match="Address already in use"):  # a second job on the same port
+        other = stragglerwatch.attach(nn.Linear(2, 2), tmp_path / "other", prometheus_port=port,
+                                      prometheus_addr="127.0.0.1")  # fmt: skip
+    assert other.stats()["exporter_errors"] == 1 and other.stats()["metrics_port"] is None
+    other.close()
+    from prometheus_client import REGISTRY
+
+    assert not any(f.name.startswith("stragglerwatch") for f in REGISTRY.collect()), "no global registry leak"
+    watch.close()
+    assert not sd.exists(), "the target file is removed on close"
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def api(base: str, query: str) -> list[dict]:
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    data = json.loads(urllib.request.urlopen(url, timeout=5).read())
+    assert data["status"] == "success", data
+    return data["data"]["result"]
+
+
+@needs_prometheus
+@pytest.mark.distributed
+def test_real_prometheus_scrapes_a_straggler_job(tmp_path: Path) -> None:
+    run, port_base, prom_port = tmp_path / "run", free_ports(4), free_ports(1)
+    rules = tmp_path / "fast.rules.yml"
+    rules.write_text(render_rules(window="20s", for_="10s"))
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(EXAMPLE),
+         "--steps", "100000", "--slow-rank", "2", "--slowdown", "0.02", "--run-dir", str(run)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "STRAGGLERWATCH_PROMETHEUS_PORT": str(port_base),
+             "STRAGGLERWATCH_PROMETHEUS_ADDR": "127.0.0.1"},
+    )  # fmt: skip
+    prom = None
+    try:
+        wait_for(lambda: len(list(run.glob("stragglerwatch-*.json"))) == 4, 90, "4 target files")
+        config = tmp_path / "prometheus.yml"
+        with open(config, "w") as f, pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sys, "stdout", f)
+            assert cli(["prometheus-config", str(run), "--scrape-interval", "1s", "--rules", str(rules)]) == 0
+        check = subprocess.run([PROMTOOL, "check", "config", str(config)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+        prom = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{prom_port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        base = f"http://127.0.0.1:{prom_port}"
+
+        def firing() -> list[dict]:
+            try:
+                return api(base, 'ALERTS{alertname="StragglerRank",alertstate="firing"}')
+            except OSError:
+                return []
+
+        wait_for(lambda: firing(), 150, "StragglerRank to fire")
+        up = api(base, 'up{job="stragglerwatch"}')
+        assert sorted(int(s["metric"]["rank"]) for s in up) == [0, 1, 2, 3]
+        assert all(s["value"][1] == "1" for s in up)
+        steps = api(base, "stragglerwatch_steps_total")
+        assert sorted(int(s["metric"]["rank"]) for s in steps) == [0, 1, 2, 3]
+        run_id = steps[0]["metric"]["run"]
+        assert all(s["metric"]["run"] == run_id == "run" for s in steps)
+        info = api(base, "stragglerwatch_rank_info")
+        assert sorted(s["metric"]["local_rank"] for s in info) == ["0", "1", "2", "3"]
+        ranked = api(base, "sort_desc(stragglerwatch:busy_ratio:20s)")
+        assert ranked[0]["metric"]["rank"] == "2" and float(ranked[0]["value"][1]) > 1.5
+        alerts = firing()
+        assert [a["metric"]["rank"] for a in alerts] == ["2"], "StragglerRank fires for the straggler and only it"
+    finally:
+        job.terminate()
+        if prom is not None:
+            prom.terminate()
+        for p in (job, prom):
+            if p is not None:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
