@@ -20,7 +20,9 @@ from torch import nn
 
 import stragglerwatch
 from stragglerwatch.cli import main as cli
+from stragglerwatch.detect import DetectConfig, detect
 from stragglerwatch.promrules import installed_rules, render_rules
+from stragglerwatch.promsource import frame_from_prometheus
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
@@ -167,6 +169,11 @@ def test_real_prometheus_scrapes_a_straggler_job(tmp_path: Path) -> None:
         assert ranked[0]["metric"]["rank"] == "2" and float(ranked[0]["value"][1]) > 1.5
         alerts = firing()
         assert [a["metric"]["rank"] for a in alerts] == ["2"], "StragglerRank fires for the straggler and only it"
+        # the same detection core, fed from Prometheus instead of the run dir
+        frame = frame_from_prometheus(base, "run", minutes=2, window="5s", step_seconds=1)
+        assert set(frame["rank"]) == {0, 1, 2, 3} and len(frame) > 40
+        verdict = detect(frame, DetectConfig(window=8, confirm=3))
+        assert [(s.rank, s.cause) for s in verdict.stragglers] == [(2, "compute")]
     finally:
         job.terminate()
         if prom is not None:
