@@ -25,7 +25,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -66,14 +68,16 @@ def interleave(variants: dict, batches, blocks: int, sync: bool) -> dict[str, li
     return per_block
 
 
-def make_pair(build, run_dir: Path, **ddp_kw):
+def make_pair(build, run_dir: Path, metrics_port: int | None = None, **ddp_kw):
     torch.manual_seed(0)
     plain = DDP(build(), **ddp_kw)
     torch.manual_seed(0)
     inst = DDP(build(), **ddp_kw)
     opt_p = torch.optim.SGD(plain.parameters(), lr=0.01)
     opt_i = torch.optim.SGD(inst.parameters(), lr=0.01)
-    watch = stragglerwatch.attach(inst, run_dir, optimizer=opt_i)
+    watch = stragglerwatch.attach(
+        inst, run_dir, optimizer=opt_i, prometheus_port=metrics_port, prometheus_addr="127.0.0.1"
+    )
     return {"plain": (plain, opt_p), "instrumented": (inst, opt_i)}, watch
 
 
@@ -86,7 +90,7 @@ def ddp_worker(args: argparse.Namespace) -> None:
     def build() -> nn.Module:
         return nn.Sequential(nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
 
-    variants, watch = make_pair(build, Path(args.run_dir))
+    variants, watch = make_pair(build, Path(args.run_dir), metrics_port=args.metrics_port)
     batches = [(torch.randn(args.batch, 256), torch.randint(0, 10, (args.batch,))) for _ in range(args.steps)]
     interleave(variants, batches[:5], 2, sync=True)  # warm-up
     res = interleave(variants, batches, args.blocks, sync=True)
@@ -94,7 +98,8 @@ def ddp_worker(args: argparse.Namespace) -> None:
     if rank == 0:
         p, i = statistics.median(res["plain"]), statistics.median(res["instrumented"])
         pair = [b / a for a, b in zip(res["plain"], res["instrumented"], strict=True)]
-        print(f"ddp: 4 gloo ranks, {args.blocks} blocks x {args.steps} steps each, interleaved")
+        scraped = ", every rank's /metrics scraped once a second" if args.metrics_port else ""
+        print(f"ddp: 4 gloo ranks, {args.blocks} blocks x {args.steps} steps each, interleaved{scraped}")
         print(f"ddp: median step plain {p * 1e3:.2f} ms, instrumented {i * 1e3:.2f} ms")
         print(f"ddp: ratio of medians {i / p:.4f}; median of per-block ratios {statistics.median(pair):.4f}")
         stats = watch.stats()
@@ -158,6 +163,20 @@ def hooks_bench(args: argparse.Namespace) -> None:
     hook_calls_bench()
 
 
+scraper_stats = {"ok": 0, "failed": 0}
+
+
+def scrape_loop(base_port: int, ranks: int, stop: threading.Event) -> None:
+    """Like a Prometheus server: GET every rank's /metrics once a second."""
+    while not stop.wait(1.0):
+        for r in range(ranks):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{base_port + r}/metrics", timeout=2).read()
+                scraper_stats["ok"] += 1
+            except OSError:
+                scraper_stats["failed"] += 1
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=("ddp", "hooks", "both"), default="both")
@@ -165,7 +184,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="steps per block (default 20)")
     p.add_argument("--hidden", type=int, default=1024, help="MLP width of the ddp part (default 1024)")
     p.add_argument("--batch", type=int, default=64, help="batch size of the ddp part (default 64)")
+    p.add_argument("--scrape", action="store_true", help="ddp part: export /metrics and scrape every rank each second")
     p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--metrics-port", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if "LOCAL_RANK" in os.environ:  # we are a torchrun worker of the ddp part
         ddp_worker(args)
@@ -174,25 +195,20 @@ def main() -> None:
         hooks_bench(args)
     if args.part in ("ddp", "both"):
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node=4",
-                __file__,
-                "--blocks",
-                str(args.blocks),
-                "--steps",
-                str(args.steps),
-                "--hidden",
-                str(args.hidden),
-                "--batch",
-                str(args.batch),
-                "--run-dir",
-                os.path.join(tmp, "run"),
-            ]
-            subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1800)
+            port = 29650 if args.scrape else None
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", __file__,
+                   "--blocks", str(args.blocks), "--steps", str(args.steps), "--hidden", str(args.hidden),
+                   "--batch", str(args.batch), "--run-dir", os.path.join(tmp, "run")]  # fmt: skip
+            stop = threading.Event()
+            if port:
+                cmd += ["--metrics-port", str(port)]
+                threading.Thread(target=scrape_loop, args=(port, 4, stop), daemon=True).start()
+            try:
+                subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1800)
+            finally:
+                stop.set()
+            if port:
+                print(f"ddp: scrapes done {scraper_stats['ok']}, failed {scraper_stats['failed']}")
 
 
 if __name__ == "__main__":
