@@ -12,14 +12,20 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   echo "setup: installing torch==2.13.0 (CPU build)"
   pip_install "torch==2.13.0"
 fi
-# Prometheus (server and promtool) for the exporter's real-server tests: Debian's package, as root
-if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+# Debian packages the tests drive for real: Prometheus (server and promtool) for the exporter,
+# Chromium and its driver for the dashboard. Installed as root on Debian/Ubuntu; elsewhere those
+# tests are skipped with a loud reason.
+missing=""
+command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || missing="$missing prometheus"
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+command -v chromedriver >/dev/null 2>&1 || missing="$missing chromium-driver"
+if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing Prometheus (apt-get)"
-    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+    echo "setup: installing$missing (apt-get)"
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
   else
-    echo "setup: WARNING: prometheus/promtool not found and cannot apt-get install them (not root on Debian):" \
-         "the Prometheus tests will be skipped" >&2
+    echo "setup: WARNING:$missing not found and cannot be apt-get installed (not root on Debian):" \
+         "the tests that need them will be skipped" >&2
   fi
 fi
 echo "setup: installing stragglerwatch and its dev tools"

@@ -164,6 +164,49 @@ def _add_prometheus_config(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_prometheus_config)
 
 
+def _add_dashboard(sub: argparse._SubParsersAction) -> None:
+    from .demo import run_dashboard, run_demo
+
+    p = sub.add_parser(
+        "dashboard",
+        help="live dashboard of a run dir (followed as the job writes it) or of a Prometheus",
+        description="Serve the live Dash dashboard: verdict banner, rank x step heatmap, per-rank phase breakdown, "
+        "a rank's busy time against its peers, watchdog events and a sortable per-rank table. The data source "
+        "is fixed at start-up. Binds 127.0.0.1 unless --host says otherwise.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", nargs="?", help="a run dir (may still be empty)")
+    p.add_argument("--prometheus", metavar="URL", help="read a live Prometheus instead (needs --run)")
+    p.add_argument("--run", metavar="RUN_ID", help="the run id (the `run` label) to show from Prometheus")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8050, help="port (default 8050)")
+    p.add_argument("--refresh-ms", type=int, default=3000, help="browser refresh period (default 3000)")
+    p.set_defaults(func=run_dashboard)
+
+    d = sub.add_parser(
+        "demo",
+        help="run a 4-rank CPU DDP job with an injected straggler under the live dashboard",
+        description="Run a small CPU DDP job (torchrun, gloo) with an injected straggler (and optionally a stall), "
+        "open the live dashboard on it, print its URL, and print the analysis when the job ends. The dashboard "
+        "then stays up until Ctrl-C (or exit at once with --exit).",
+    )
+    d.add_argument("--ranks", type=int, default=4, help="ranks (default 4)")
+    d.add_argument("--steps", type=int, default=600, help="steps (default 600, about half a minute)")
+    d.add_argument("--slow-rank", type=int, default=2, help="the straggler (default 2)")
+    d.add_argument("--slowdown", type=float, default=0.02, help="its extra seconds a step (default 0.02)")
+    d.add_argument("--cause", choices=("compute", "data", "optimizer", "other"), default="compute",
+                   help="what is slow (default compute)")  # fmt: skip
+    d.add_argument("--from-step", type=int, default=50, help="onset (default 50)")
+    d.add_argument("--hang", action="store_true", help="also make another rank stall 8 s halfway")
+    d.add_argument("--run-dir", help="run dir (default stragglerwatch-runs/demo-<time>)")
+    d.add_argument("--host", default="127.0.0.1", help="dashboard bind address (default 127.0.0.1)")
+    d.add_argument("--port", type=int, default=8050, help="dashboard port (default 8050)")
+    d.add_argument("--prometheus", action="store_true", help="also export metrics and run a local Prometheus")
+    d.add_argument("--metrics-port", type=int, default=9400, help="first rank's /metrics port (default 9400)")
+    d.add_argument("--prometheus-port", type=int, default=9090, help="local Prometheus port (default 9090)")
+    d.add_argument("--exit", action="store_true", help="exit after the report instead of serving until Ctrl-C")
+    d.set_defaults(func=run_demo)
+
+
 def _add_analyze(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "analyze",
@@ -244,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_analyze(sub)
     _add_simulate(sub)
     _add_prometheus_config(sub)
+    _add_dashboard(sub)
     return parser
 
 

@@ -4,6 +4,8 @@ no figure carries more than ``MAX_CELLS`` heatmap cells or ``MAX_POINTS`` points
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 import numpy as np
 import plotly.graph_objects as go
 
@@ -107,4 +109,49 @@ def busy_band(mat: StepMatrix, verdict: Verdict, ranks: list[int] | None = None)
         fig.add_scatter(x=x, y=_reduce(busy[:, j : j + 1], sb, 0, "mean")[:, 0], name=f"rank {mat.ranks[j]}")
     fig.update_layout(title="Busy time (ms): step minus exposed all-reduce wait", xaxis_title="step",
                       yaxis_title="ms", margin={"t": 50})  # fmt: skip
+    shown = np.concatenate([hi, *(busy[:, j] for j in cols)]) if len(hi) else np.zeros(0)
+    if np.isfinite(shown).any():  # a stall of seconds must not flatten milliseconds: clip, zoom out to see it
+        typical, top = np.nanpercentile(shown, 99), np.nanmax(shown)
+        if top > 3 * typical:
+            fig.update_yaxes(range=[0, 1.3 * typical], title="ms (spikes clipped: zoom out)")
+    return fig
+
+
+def empty(text: str) -> go.Figure:
+    """A blank figure that says why it is blank."""
+    fig = go.Figure()
+    fig.update_layout(
+        annotations=[{"text": text, "showarrow": False, "font": {"size": 14}, "xref": "paper", "yref": "paper"}],
+        xaxis={"visible": False},
+        yaxis={"visible": False},
+        margin={"t": 30},
+    )
+    return fig
+
+
+EVENT_COLORS = {"stall": "#d62728", "diagnosis": "#ff7f0e", "recovery": "#2ca02c", "sigterm": "#9467bd",
+                "exception": "#8c564b", "closed": "#7f7f7f"}  # fmt: skip
+
+
+def events_timeline(events: list[dict], ranks: np.ndarray) -> go.Figure:
+    """Watchdog and shutdown events over wall-clock time, one row per rank."""
+    shown = [e for e in events if e.get("kind") in EVENT_COLORS and e.get("kind") != "diagnosis"]
+    if not shown:
+        return empty("no watchdog event: no rank stalled")
+    fig = go.Figure()
+    for kind, color in EVENT_COLORS.items():
+        evs = [e for e in shown if e["kind"] == kind]
+        if not evs:
+            continue
+        fig.add_scatter(
+            x=[datetime.fromtimestamp(e.get("detected_at", 0), tz=timezone.utc) for e in evs],
+            y=[str(e["rank"]) for e in evs],
+            mode="markers",
+            marker={"color": color, "size": 12, "symbol": "diamond"},
+            name=kind,
+            text=[f"step {e.get('step')}, {e.get('phase')}, waited {e.get('waited_s', '-')} s" for e in evs],
+            hovertemplate="rank %{y}<br>%{x}<br>%{text}<extra>" + kind + "</extra>",
+        )
+    fig.update_layout(title="Watchdog events", xaxis_title="time (UTC)", yaxis_title="rank",
+                      yaxis={"type": "category"}, margin={"t": 50})  # fmt: skip
     return fig

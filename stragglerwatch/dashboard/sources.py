@@ -1,0 +1,135 @@
+"""Data sources of the dashboard, apart from its figures.
+
+Design: a source keeps the latest :class:`Snapshot` (report, matrix, verdict,
+events) and refreshes it on a background thread, so that a browser callback
+never reads files or queries Prometheus: it only builds figures from the
+snapshot it gets. The run dir or Prometheus URL is fixed when the source is
+made; nothing a browser sends can point it elsewhere.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..analysis import Analysis, analyze_run, build_report, empty_analysis
+from ..detect import detect, to_matrix
+from ..eventlog import RunDirError
+from ..promsource import PrometheusError, frame_from_prometheus
+from ..watchdog import read_events
+
+
+@dataclass
+class Snapshot:
+    analysis: Analysis
+    events: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None  # why the latest refresh failed (the previous data is kept)
+    refreshed_at: float = 0.0
+    version: int = 0  # increases when the data changed
+
+    @property
+    def empty(self) -> bool:
+        return self.analysis.report["steps"] == 0
+
+
+class _Source:
+    label = "source"
+
+    def __init__(self, interval_s: float = 2.0):
+        self.interval_s = interval_s
+        self._snapshot = Snapshot(empty_analysis())
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            return self._snapshot
+
+    def refresh(self) -> None:
+        """Load once (the background thread calls this every ``interval_s``)."""
+        try:
+            analysis, events, changed = self._load()
+            error = None
+        except Exception as exc:  # shown on the page; the previous data stays
+            analysis, events, changed, error = None, None, False, f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            old = self._snapshot
+            if analysis is None:
+                self._snapshot = Snapshot(old.analysis, old.events, error, time.time(), old.version)
+            else:
+                version = old.version + 1 if changed else old.version
+                self._snapshot = Snapshot(analysis, events or [], error, time.time(), version)
+
+    def _load(self) -> tuple[Analysis | None, list[dict[str, Any]] | None, bool]:
+        raise NotImplementedError
+
+    def start(self) -> _Source:
+        if self._thread is None:
+            self.refresh()
+            self._thread = threading.Thread(target=self._run, name="stragglerwatch-dashboard-source", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.refresh()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class RunDirSource(_Source):
+    """A run dir, followed as the job writes it (reloaded when a file changes)."""
+
+    def __init__(self, run_dir: str | Path, interval_s: float = 2.0):
+        super().__init__(interval_s)
+        self.run_dir = Path(run_dir)
+        self.label = str(self.run_dir)
+        self._signature: tuple | None = None
+
+    def _files_signature(self) -> tuple:
+        try:
+            return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in self.run_dir.iterdir()))
+        except OSError:
+            return ()
+
+    def _load(self) -> tuple[Analysis | None, list[dict[str, Any]] | None, bool]:
+        signature = self._files_signature()
+        if signature == self._signature:
+            return None, None, False
+        self._signature = signature
+        try:
+            analysis = analyze_run(self.run_dir)
+        except RunDirError:
+            if not self.run_dir.exists() or not any(self.run_dir.iterdir()):
+                return empty_analysis(), [], True  # the job has not started writing yet
+            raise
+        events, _ = read_events(self.run_dir)
+        return analysis, events, True
+
+
+class PrometheusSource(_Source):
+    """A live Prometheus: per-rank means over ``window`` at ``step_seconds`` resolution."""
+
+    def __init__(self, url: str, run: str, minutes: float = 30.0, window: str = "1m", step_seconds: float = 15.0,
+                 interval_s: float = 5.0):  # fmt: skip
+        super().__init__(interval_s)
+        self.url, self.run, self.minutes, self.window, self.step_seconds = url, run, minutes, window, step_seconds
+        self.label = f"{url} (run {run})"
+
+    def _load(self) -> tuple[Analysis | None, list[dict[str, Any]] | None, bool]:
+        try:
+            frame = frame_from_prometheus(self.url, self.run, minutes=self.minutes, window=self.window,
+                                          step_seconds=self.step_seconds)  # fmt: skip
+        except PrometheusError:
+            raise
+        if frame.empty:
+            return empty_analysis(), [], True
+        mat = to_matrix(frame)
+        verdict = detect(mat)
+        report = build_report(mat, verdict, {"run_id": self.run, "world_size": len(mat.ranks)}, {})
+        return Analysis(report, mat, verdict), [], True

@@ -1,0 +1,134 @@
+"""The dashboard in a real headless Chromium (Debian's chromium + chromium-driver), on loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import EXAMPLE, ROOT, wait_for
+
+from stragglerwatch.dashboard import RunDirSource, Snapshot
+from stragglerwatch.dashboard.app import BANNER, BREAKDOWN, HEATMAP, TABLE, render
+from stragglerwatch.demo import DashboardServer
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+needs_browser = pytest.mark.skipif(
+    CHROMIUM is None or DRIVER is None,
+    reason="BROWSER TESTS SKIPPED: install Debian's 'chromium' and 'chromium-driver' (scripts/setup.sh does as root)",
+)
+
+
+@pytest.fixture
+def browser(tmp_path: Path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={tmp_path / 'chrome'}", "--window-size=1300,2400"):  # fmt: skip
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+def console_errors(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def text_of(driver, element_id: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    return driver.find_element(By.ID, element_id).text
+
+
+def serve(run: Path) -> DashboardServer:
+    return DashboardServer(RunDirSource(run, interval_s=1.0), "127.0.0.1", 0, refresh_ms=1000).start()
+
+
+@needs_browser
+@pytest.mark.distributed
+def test_live_run_banner_names_the_straggler(browser, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    run = tmp_path / "run"
+    run.mkdir()
+    server = serve(run)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(EXAMPLE),
+         "--steps", "400", "--slow-rank", "2", "--slowdown", "0.02", "--from-step", "20", "--run-dir", str(run)],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        browser.get(server.url)
+        t0 = time.monotonic()
+        wait_for(lambda: "rank 2 is" in text_of(browser, BANNER), 120, "the banner to name rank 2")
+        named_after = time.monotonic() - t0
+        banner = text_of(browser, BANNER)
+        assert "cause: compute" in banner and "straggler" in banner
+        for graph in (HEATMAP, BREAKDOWN):
+            plot = browser.find_element(By.ID, graph)
+            assert plot.find_elements(By.CSS_SELECTOR, ".main-svg"), f"{graph} rendered"
+        bars = browser.find_element(By.ID, BREAKDOWN).find_elements(By.CSS_SELECTOR, ".bars .point")
+        assert len(bars) >= 4 * 5, "a stacked bar per rank"
+        assert browser.find_element(By.ID, HEATMAP).find_elements(By.CSS_SELECTOR, ".hm, image, .heatmaplayer")
+        rows = browser.find_element(By.ID, TABLE).find_elements(By.CSS_SELECTOR, "tr")
+        assert len(rows) >= 5
+        assert console_errors(browser) == []
+        browser.save_screenshot(str(tmp_path / "dashboard.png"))
+        print(f"banner named rank 2 after {named_after:.1f} s")
+    finally:
+        job.terminate()
+        job.wait(timeout=30)
+        server.stop()
+
+
+@needs_browser
+def test_empty_run_dir_shows_an_empty_state(browser, tmp_path: Path) -> None:
+    run = tmp_path / "empty"
+    run.mkdir()
+    server = serve(run)
+    try:
+        browser.get(server.url)
+        wait_for(lambda: "Waiting for data" in text_of(browser, BANNER), 30, "the empty state")
+        assert "No step recorded yet" in text_of(browser, BANNER)
+        assert console_errors(browser) == []
+    finally:
+        server.stop()
+
+
+@needs_browser
+def test_finished_run_opened_later(browser, compute_run: Path) -> None:
+    server = serve(compute_run)
+    try:
+        browser.get(server.url)
+        wait_for(lambda: "rank 2 is" in text_of(browser, BANNER), 30, "the banner")
+        assert "cause: compute" in text_of(browser, BANNER)
+        assert console_errors(browser) == []
+    finally:
+        server.stop()
+
+
+def test_render_is_pure_and_bounded(make_run) -> None:
+    from stragglerwatch.analysis import analyze_run
+    from stragglerwatch.simulate import Injection, SimConfig, write_run
+
+    run = make_run(1).parent / "sim"
+    write_run(run, SimConfig(ranks=300, steps=500, injections=[Injection(7, 0.3, 100)]))
+    snap = Snapshot(analyze_run(run))
+    out = render(snap, None)
+    heat = out["heatmap"].data[0]
+    assert len(heat.z) <= 256 and len(heat.z[0]) <= 400, "aggregated on the server"
+    assert [t.name for t in out["band"].data][-1] == "rank 7", "the flagged rank by default"
+    assert len(out["rows"]) == 300 and len(out["options"]) == 300
+    assert render(snap, 5)["band"].data[-1].name == "rank 5"
