@@ -132,3 +132,35 @@ def test_render_is_pure_and_bounded(make_run) -> None:
     assert [t.name for t in out["band"].data][-1] == "rank 7", "the flagged rank by default"
     assert len(out["rows"]) == 300 and len(out["options"]) == 300
     assert render(snap, 5)["band"].data[-1].name == "rank 5"
+
+
+def test_prometheus_source_unreachable_keeps_an_empty_state() -> None:
+    import socket
+
+    from stragglerwatch.dashboard import PrometheusSource
+    from stragglerwatch.dashboard.app import banner
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    source = PrometheusSource(f"http://127.0.0.1:{port}", "run")
+    source.refresh()
+    snap = source.snapshot()
+    assert snap.empty and snap.error and "cannot query" in snap.error
+    children, _ = banner(snap, source.label)
+    assert "Last refresh failed" in str(children)
+
+
+@pytest.mark.distributed
+def test_demo_command(tmp_path: Path) -> None:
+    from test_prometheus import free_ports
+
+    run = tmp_path / "demo"
+    out = subprocess.run(
+        [sys.executable, "-m", "stragglerwatch.cli", "demo", "--steps", "120", "--from-step", "20", "--exit",
+         "--port", str(free_ports(1)), "--run-dir", str(run)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "demo: dashboard http://127.0.0.1:" in out.stdout
+    assert "rank 2 is" in out.stdout and "cause: compute" in out.stdout
