@@ -47,9 +47,14 @@ def console_errors(driver) -> list[str]:
 
 
 def text_of(driver, element_id: str) -> str:
+    """The element's text, or "" while Dash has not rendered it yet."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
-    return driver.find_element(By.ID, element_id).text
+    try:
+        return driver.find_element(By.ID, element_id).text
+    except (NoSuchElementException, StaleElementReferenceException):
+        return ""
 
 
 def serve(run: Path) -> DashboardServer:
