@@ -91,3 +91,97 @@ def data_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def healthy_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 gloo ranks, 150 steps, nobody slowed: only this shared machine's noise."""
     return example_run(tmp_path_factory, "healthy", "--steps", "150")
+
+
+def free_ports(n: int) -> int:
+    """A base port with ``n`` consecutive free ports on loopback."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free ports")
+
+
+def prom_api(base: str, query: str) -> list[dict]:
+    """Result of an instant query against a Prometheus server's HTTP API."""
+    import json
+    import urllib.parse
+    import urllib.request
+
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    data = json.loads(urllib.request.urlopen(url, timeout=5).read())
+    assert data["status"] == "success", data
+    return data["data"]["result"]
+
+
+@pytest.fixture(scope="session")
+def live_prometheus(tmp_path_factory: pytest.TempPathFactory):
+    """A real Prometheus (generated config, second-scale rules) scraping a real 4-rank gloo job with
+    ``prometheus_port``: rank 2 is 20 ms a step slower, and stalls 6 s at step 300 (watchdog 2 s)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from stragglerwatch.cli import main as cli
+    from stragglerwatch.promrules import render_rules
+
+    prometheus, promtool = shutil.which("prometheus"), shutil.which("promtool")
+    if prometheus is None or promtool is None:
+        pytest.skip(
+            "PROMETHEUS TESTS SKIPPED: install Debian's 'prometheus' package (scripts/setup.sh does so as root)"
+        )
+    tmp = tmp_path_factory.mktemp("prometheus")
+    run, port_base, prom_port = tmp / "run", free_ports(4), free_ports(1)
+    rules = tmp / "fast.rules.yml"
+    rules.write_text(render_rules(window="20s", for_="10s"))
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(EXAMPLE),
+         "--steps", "100000", "--slow-rank", "2", "--slowdown", "0.02", "--stall-rank", "2", "--stall-at-step",
+         "300", "--stall-seconds", "6", "--watchdog-timeout", "2", "--run-dir", str(run)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "STRAGGLERWATCH_PROMETHEUS_PORT": str(port_base),
+             "STRAGGLERWATCH_PROMETHEUS_ADDR": "127.0.0.1"},
+    )  # fmt: skip
+    prom = None
+    try:
+        wait_for(lambda: len(list(run.glob("stragglerwatch-*.json"))) == 4, 90, "4 target files")
+        config = tmp / "prometheus.yml"
+        with open(config, "w") as f, pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sys, "stdout", f)
+            assert cli(["prometheus-config", str(run), "--scrape-interval", "1s", "--rules", str(rules)]) == 0
+        check = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+        prom = subprocess.Popen(
+            [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{prom_port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        yield SimpleNamespace(base=f"http://127.0.0.1:{prom_port}", run=run, job=job)
+    finally:
+        job.terminate()
+        if prom is not None:
+            prom.terminate()
+        for p in (job, prom):
+            if p is not None:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()

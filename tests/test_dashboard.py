@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, ROOT, wait_for
+from conftest import EXAMPLE, ROOT, free_ports, wait_for
 
 from stragglerwatch.dashboard import RunDirSource, Snapshot
 from stragglerwatch.dashboard.app import BANNER, BREAKDOWN, HEATMAP, TABLE, render
@@ -158,8 +158,6 @@ def test_prometheus_source_unreachable_keeps_an_empty_state() -> None:
 
 @pytest.mark.distributed
 def test_demo_command(tmp_path: Path) -> None:
-    from test_prometheus import free_ports
-
     run = tmp_path / "demo"
     out = subprocess.run(
         [sys.executable, "-m", "stragglerwatch.cli", "demo", "--steps", "120", "--from-step", "20", "--exit",

@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
-import sys
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXAMPLE, ROOT, wait_for
+from conftest import ROOT, free_ports, prom_api, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 import stragglerwatch
-from stragglerwatch.cli import main as cli
 from stragglerwatch.detect import DetectConfig, detect
 from stragglerwatch.promrules import installed_rules, render_rules
 from stragglerwatch.promsource import frame_from_prometheus
@@ -31,29 +28,6 @@ needs_prometheus = pytest.mark.skipif(
     reason="PROMETHEUS TESTS SKIPPED: install Debian's 'prometheus' package (scripts/setup.sh does so as root)",
 )
 RULES_DIR = ROOT / "grafana" / "prometheus"
-
-
-def free_ports(n: int) -> int:
-    """A base port with ``n`` consecutive free ports on loopback."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        try:
-            socks = []
-            for i in range(n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free ports")
 
 
 def scrape(port: int) -> dict:
@@ -113,74 +87,34 @@ def test_exporter_series_labels_sd_file_and_port_in_use(tmp_path: Path) -> None:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
 
 
-def api(base: str, query: str) -> list[dict]:
-    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": query})
-    data = json.loads(urllib.request.urlopen(url, timeout=5).read())
-    assert data["status"] == "success", data
-    return data["data"]["result"]
-
-
 @needs_prometheus
 @pytest.mark.distributed
-def test_real_prometheus_scrapes_a_straggler_job(tmp_path: Path) -> None:
-    run, port_base, prom_port = tmp_path / "run", free_ports(4), free_ports(1)
-    rules = tmp_path / "fast.rules.yml"
-    rules.write_text(render_rules(window="20s", for_="10s"))
-    job = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(EXAMPLE),
-         "--steps", "100000", "--slow-rank", "2", "--slowdown", "0.02", "--run-dir", str(run)],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "STRAGGLERWATCH_PROMETHEUS_PORT": str(port_base),
-             "STRAGGLERWATCH_PROMETHEUS_ADDR": "127.0.0.1"},
-    )  # fmt: skip
-    prom = None
-    try:
-        wait_for(lambda: len(list(run.glob("stragglerwatch-*.json"))) == 4, 90, "4 target files")
-        config = tmp_path / "prometheus.yml"
-        with open(config, "w") as f, pytest.MonkeyPatch.context() as mp:
-            mp.setattr(sys, "stdout", f)
-            assert cli(["prometheus-config", str(run), "--scrape-interval", "1s", "--rules", str(rules)]) == 0
-        check = subprocess.run([PROMTOOL, "check", "config", str(config)], capture_output=True, text=True)
-        assert check.returncode == 0, check.stdout + check.stderr
-        prom = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{prom_port}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        base = f"http://127.0.0.1:{prom_port}"
+def test_real_prometheus_scrapes_a_straggler_job(live_prometheus) -> None:
+    base = live_prometheus.base
 
-        def firing() -> list[dict]:
-            try:
-                return api(base, 'ALERTS{alertname="StragglerRank",alertstate="firing"}')
-            except OSError:
-                return []
+    def firing() -> list[dict]:
+        try:
+            return prom_api(base, 'ALERTS{alertname="StragglerRank",alertstate="firing"}')
+        except OSError:
+            return []
 
-        wait_for(lambda: firing(), 150, "StragglerRank to fire")
-        up = api(base, 'up{job="stragglerwatch"}')
-        assert sorted(int(s["metric"]["rank"]) for s in up) == [0, 1, 2, 3]
-        assert all(s["value"][1] == "1" for s in up)
-        steps = api(base, "stragglerwatch_steps_total")
-        assert sorted(int(s["metric"]["rank"]) for s in steps) == [0, 1, 2, 3]
-        run_id = steps[0]["metric"]["run"]
-        assert all(s["metric"]["run"] == run_id == "run" for s in steps)
-        info = api(base, "stragglerwatch_rank_info")
-        assert sorted(s["metric"]["local_rank"] for s in info) == ["0", "1", "2", "3"]
-        ranked = api(base, "sort_desc(stragglerwatch:busy_ratio:20s)")
-        assert ranked[0]["metric"]["rank"] == "2" and float(ranked[0]["value"][1]) > 1.5
-        alerts = firing()
-        assert [a["metric"]["rank"] for a in alerts] == ["2"], "StragglerRank fires for the straggler and only it"
-        # the same detection core, fed from Prometheus instead of the run dir
-        frame = frame_from_prometheus(base, "run", minutes=2, window="5s", step_seconds=1)
-        assert set(frame["rank"]) == {0, 1, 2, 3} and len(frame) > 40
-        verdict = detect(frame, DetectConfig(window=8, confirm=3))
-        assert [(s.rank, s.cause) for s in verdict.stragglers] == [(2, "compute")]
-    finally:
-        job.terminate()
-        if prom is not None:
-            prom.terminate()
-        for p in (job, prom):
-            if p is not None:
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+    wait_for(lambda: firing(), 150, "StragglerRank to fire")
+    up = prom_api(base, 'up{job="stragglerwatch"}')
+    assert sorted(int(s["metric"]["rank"]) for s in up) == [0, 1, 2, 3]
+    assert all(s["value"][1] == "1" for s in up)
+    steps = prom_api(base, "stragglerwatch_steps_total")
+    assert sorted(int(s["metric"]["rank"]) for s in steps) == [0, 1, 2, 3]
+    assert all(s["metric"]["run"] == "run" for s in steps)
+    info = prom_api(base, "stragglerwatch_rank_info")
+    assert sorted(s["metric"]["local_rank"] for s in info) == ["0", "1", "2", "3"]
+    ranked = prom_api(base, "sort_desc(stragglerwatch:busy_ratio:20s)")
+    assert ranked[0]["metric"]["rank"] == "2" and float(ranked[0]["value"][1]) > 1.5
+    alerts = firing()
+    assert [a["metric"]["rank"] for a in alerts] == ["2"], "StragglerRank fires for the straggler and only it"
+    # the same detection core, fed from Prometheus instead of the run dir
+    wait_for(lambda: len(frame_from_prometheus(base, "run", minutes=2, window="5s", step_seconds=1)) >= 4 * 24,
+             60, "24 s of data")  # fmt: skip
+    frame = frame_from_prometheus(base, "run", minutes=2, window="5s", step_seconds=1)
+    assert set(frame["rank"]) == {0, 1, 2, 3}
+    verdict = detect(frame, DetectConfig(window=8, confirm=3))
+    assert [s.rank for s in verdict.stragglers] == [2]
