@@ -137,8 +137,9 @@ class RankCollector(Collector):
         t = CounterMetricFamily(
             "stragglerwatch_watchdog_timeouts", "Stalls noticed by the watchdog", labels=[*names, "phase"]
         )
-        for phase, n in sorted((wd.timeouts_by_phase if wd else {}).items()):
-            t.add_metric([*values, phase], n)
+        counts = wd.timeouts_by_phase if wd else {}
+        for phase in PHASES:  # every phase from the start: a first stall then shows as 0 -> 1
+            t.add_metric([*values, phase], counts.get(phase, 0))
         yield t
         s = GaugeMetricFamily("stragglerwatch_stalled", "1 while the watchdog sees this rank stalled", labels=names)
         s.add_metric(values, 1.0 if wd is not None and wd.stalled else 0.0)

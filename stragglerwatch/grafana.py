@@ -1,0 +1,198 @@
+"""Grafana dashboards (JSON model), generated here so that they stay in sync with the metric names.
+
+``python -m stragglerwatch.grafana grafana/dashboards`` writes ``stragglerwatch.json`` (one run:
+step time, throughput, busy time and its ratio to the peer median per rank, the slowest ranks with
+their cause, the phase breakdown, all-reduce wait, watchdog stalls, time lost, firing alerts) and
+``stragglerwatch-overview.json`` (all runs at a glance). A test checks that the committed files are
+what this module generates and runs every query against a real Prometheus.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+DS = {"type": "prometheus", "uid": "${datasource}"}
+RUN = 'run="$run"'
+RANKS = 'run="$run", rank=~"$rank"'
+SCHEMA_VERSION = 39
+
+
+def mean(metric: str, sel: str, by: str = "rank") -> str:
+    """Mean value per step of a stragglerwatch histogram over the panel's rate interval."""
+    m = f"stragglerwatch_{metric}"
+    return (f"sum by ({by}) (rate({m}_sum{{{sel}}}[$__rate_interval]))"
+            f" / sum by ({by}) (rate({m}_count{{{sel}}}[$__rate_interval]))")  # fmt: skip
+
+
+BUSY = mean("busy_seconds", RUN)
+STEP = mean("step_seconds", RUN)
+RATIO = f"({BUSY}) / scalar(quantile(0.5, {BUSY}))"
+PHASE = mean("phase_seconds", f'{RUN}, phase!="allreduce_wait"', by="rank, phase")
+CAUSE = f"topk by (rank) (1, ({PHASE}) - on (phase) group_left quantile by (phase) (0.5, {PHASE}))"
+
+
+def target(expr: str, legend: str, ref: str = "A", instant: bool = False, table: bool = False) -> dict[str, Any]:
+    t = {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, "range": not instant,
+         "instant": instant}  # fmt: skip
+    if table:
+        t["format"] = "table"
+    return t
+
+
+def panel(pid: int, title: str, kind: str, grid: tuple[int, int, int, int], targets: list[dict], **extra: Any) -> dict:
+    x, y, w, h = grid
+    p = {"id": pid, "title": title, "type": kind, "datasource": DS, "targets": targets,
+         "gridPos": {"x": x, "y": y, "w": w, "h": h}}  # fmt: skip
+    p.update(extra)
+    return p
+
+
+def _unit(unit: str, **custom: Any) -> dict[str, Any]:
+    return {"defaults": {"unit": unit, "custom": custom}, "overrides": []}
+
+
+RULES_LINK = {
+    "title": "Alert rules (StragglerRank, TrainingStalled, WatchdogTimeout)",
+    "url": "https://prometheus.io/docs/prometheus/latest/configuration/alerting_rules/",
+    "targetBlank": True,
+}
+
+
+def _templating() -> dict[str, Any]:
+    return {
+        "list": [
+            {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus"},
+            {"name": "run", "type": "query", "datasource": DS, "label": "run", "refresh": 2, "sort": 2,
+             "query": {"query": "label_values(stragglerwatch_steps_total, run)", "refId": "run"},
+             "definition": "label_values(stragglerwatch_steps_total, run)"},
+            {"name": "rank", "type": "query", "datasource": DS, "label": "rank", "refresh": 2, "sort": 3,
+             "multi": True, "includeAll": True, "allValue": ".*",
+             "query": {"query": 'label_values(stragglerwatch_steps_total{run="$run"}, rank)', "refId": "rank"},
+             "definition": 'label_values(stragglerwatch_steps_total{run="$run"}, rank)'},
+        ]
+    }  # fmt: skip
+
+
+def _annotations() -> dict[str, Any]:
+    return {
+        "list": [
+            {"name": "Watchdog stalls", "datasource": DS, "enable": True, "iconColor": "red",
+             "expr": f"changes(stragglerwatch_watchdog_timeouts_total{{{RUN}}}[$__interval]) > 0",
+             "titleFormat": "stall", "textFormat": "rank {{rank}} stalled in {{phase}}", "step": "5s"},
+            {"name": "Alerts", "datasource": DS, "enable": True, "iconColor": "orange",
+             "expr": f'ALERTS{{{RUN}, alertstate="firing"}}',
+             "titleFormat": "{{alertname}}", "textFormat": "rank {{rank}}", "step": "15s"},
+        ]
+    }  # fmt: skip
+
+
+def run_dashboard() -> dict[str, Any]:
+    """One run: where its time goes and which rank holds it back."""
+    panels = [
+        panel(1, "Job step time", "timeseries", (0, 0, 12, 7), [
+            target(f"quantile(0.5, {STEP})", "median rank"),
+            target(f"max({STEP})", "slowest rank", "B"),
+        ], fieldConfig=_unit("s")),
+        panel(2, "Throughput", "timeseries", (12, 0, 12, 7), [
+            target(f"min(rate(stragglerwatch_steps_total{{{RUN}}}[$__rate_interval]))", "steps/s"),
+        ], fieldConfig=_unit("none")),
+        panel(3, "Busy time / peer median, per rank", "state-timeline", (0, 7, 24, 8), [
+            target(RATIO, "{{rank}}"),
+        ], fieldConfig={"defaults": {"unit": "x", "thresholds": {"mode": "absolute", "steps": [
+            {"color": "green", "value": None}, {"color": "orange", "value": 1.1}, {"color": "red", "value": 1.3}]},
+            "color": {"mode": "thresholds"}}, "overrides": []},
+            description="Busy time = step minus exposed all-reduce wait; 1.0 = like the run's median rank."),
+        panel(4, "Slowest ranks vs the peer median", "table", (0, 15, 12, 9), [
+            target(f"topk(10, {RATIO})", "", instant=True, table=True),
+            target(CAUSE, "", "B", instant=True, table=True),
+        ], transformations=[
+            {"id": "merge", "options": {}},
+            {"id": "organize", "options": {"excludeByName": {"Time": True},
+                                           "renameByName": {"Value #A": "busy / peers", "Value #B": "cause excess (s)",
+                                                            "phase": "cause"}}},
+            {"id": "sortBy", "options": {"sort": [{"field": "busy / peers", "desc": True}]}},
+        ], links=[RULES_LINK]),
+        panel(5, "Busy time per rank", "timeseries", (12, 15, 12, 9), [
+            target(mean("busy_seconds", RANKS), "rank {{rank}}"),
+        ], fieldConfig=_unit("s")),
+        panel(6, "Phase breakdown", "timeseries", (0, 24, 12, 9), [
+            target(mean("phase_seconds", RANKS, by="rank, phase"), "rank {{rank}} {{phase}}"),
+        ], fieldConfig=_unit("s", stacking={"mode": "normal"}, fillOpacity=60)),
+        panel(7, "All-reduce wait per rank", "timeseries", (12, 24, 12, 9), [
+            target(mean("phase_seconds", f'{RANKS}, phase="allreduce_wait"'), "rank {{rank}}"),
+        ], fieldConfig=_unit("s"), description="The straggler waits least: the others wait for it."),
+        panel(8, "Watchdog: stalls", "timeseries", (0, 33, 12, 8), [
+            target(f"sum by (rank, phase) (increase(stragglerwatch_watchdog_timeouts_total{{{RUN}}}[$__rate_interval]))",
+                   "timeouts rank {{rank}} ({{phase}})"),
+            target(f"stragglerwatch_stalled{{{RUN}}}", "stalled rank {{rank}}", "B"),
+        ], fieldConfig=_unit("none"), links=[RULES_LINK]),
+        panel(9, "Time lost to the slowest rank", "timeseries", (12, 33, 12, 8), [
+            target(f"(max({BUSY}) - quantile(0.5, {BUSY})) / quantile(0.5, {STEP})", "share of step time"),
+            target(f"(max({BUSY}) - quantile(0.5, {BUSY})) / quantile(0.5, {STEP}) * count({BUSY})",
+                   "GPU-seconds lost per second", "B"),
+        ], fieldConfig=_unit("percentunit"),
+            description="What-if: each step without the slowest rank's excess over the median."),
+        panel(10, "Firing alerts", "table", (0, 41, 24, 6), [
+            target(f'ALERTS{{{RUN}, alertstate="firing"}}', "{{alertname}} rank {{rank}}", instant=True, table=True),
+        ], links=[RULES_LINK]),
+    ]  # fmt: skip
+    return _dashboard("stragglerwatch-run", "stragglerwatch: run", panels, _templating(), _annotations())
+
+
+def overview_dashboard() -> dict[str, Any]:
+    """Every run at a glance: ranks, throughput, worst busy ratio, stalls."""
+    busy_all = mean("busy_seconds", "", by="run, rank")
+    panels = [
+        panel(1, "Runs", "table", (0, 0, 24, 8), [
+            target("count by (run) (stragglerwatch_steps_total)", "", instant=True, table=True),
+            target(f"max by (run) (({busy_all}) / on (run) group_left quantile by (run) (0.5, {busy_all}))", "", "B",
+                   instant=True, table=True),
+            target("sum by (run) (rate(stragglerwatch_steps_total[$__rate_interval])) / count by (run) "
+                   "(stragglerwatch_steps_total)", "", "C", instant=True, table=True),
+        ], transformations=[{"id": "merge", "options": {}}, {"id": "organize", "options": {
+            "excludeByName": {"Time": True},
+            "renameByName": {"Value #A": "ranks", "Value #B": "worst busy / peers", "Value #C": "steps/s"}}}],
+            links=[RULES_LINK]),
+        panel(2, "Worst busy / peer median per run", "timeseries", (0, 8, 12, 8), [
+            target(f"max by (run) (({busy_all}) / on (run) group_left quantile by (run) (0.5, {busy_all}))", "{{run}}"),
+        ], fieldConfig=_unit("x")),
+        panel(3, "Stalled ranks per run", "timeseries", (12, 8, 12, 8), [
+            target("sum by (run) (stragglerwatch_stalled)", "{{run}}"),
+        ], fieldConfig=_unit("none")),
+    ]  # fmt: skip
+    templating = {"list": [_templating()["list"][0]]}
+    return _dashboard("stragglerwatch-overview", "stragglerwatch: overview", panels, templating, {"list": []})
+
+
+def _dashboard(uid: str, title: str, panels: list[dict], templating: dict, annotations: dict) -> dict[str, Any]:
+    return {
+        "uid": uid, "title": title, "tags": ["stragglerwatch"], "timezone": "browser", "editable": True,
+        "schemaVersion": SCHEMA_VERSION, "version": 1, "refresh": "10s",
+        "time": {"from": "now-30m", "to": "now"}, "templating": templating, "annotations": annotations,
+        "links": [RULES_LINK], "panels": panels,
+    }  # fmt: skip
+
+
+def dashboards() -> dict[str, dict[str, Any]]:
+    """File name -> dashboard model."""
+    return {"stragglerwatch.json": run_dashboard(), "stragglerwatch-overview.json": overview_dashboard()}
+
+
+def render(model: dict[str, Any]) -> str:
+    return json.dumps(model, indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    out = Path((argv or sys.argv[1:] or ["grafana/dashboards"])[0])
+    out.mkdir(parents=True, exist_ok=True)
+    for name, model in dashboards().items():
+        (out / name).write_text(render(model))
+        print(f"wrote {out / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
