@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..analysis import Analysis, analyze_run, build_report, empty_analysis
 from ..detect import detect, to_matrix
-from ..eventlog import RunDirError
+from ..eventlog import RunDirError, RunDirWarning
 from ..promsource import PrometheusError, frame_from_prometheus
 from ..watchdog import read_events
 
@@ -103,7 +104,9 @@ class RunDirSource(_Source):
             return None, None, False
         self._signature = signature
         try:
-            analysis = analyze_run(self.run_dir)
+            with warnings.catch_warnings():  # a live run misses ranks and cuts batches in half: normal
+                warnings.simplefilter("ignore", RunDirWarning)
+                analysis = analyze_run(self.run_dir)
         except RunDirError:
             if not self.run_dir.exists() or not any(self.run_dir.iterdir()):
                 return empty_analysis(), [], True  # the job has not started writing yet
