@@ -61,7 +61,18 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         print("stragglerwatch: error: give a RUN_DIR, --logs FILE..., or both", file=sys.stderr)
         return 2
     config = DetectConfig(window=args.window, long_window=args.long_window, min_slowdown=args.min_slowdown, z=args.z)
-    if args.run_dir is not None:
+    if args.run_dir is not None and Path(args.run_dir).is_file():  # an op-level trace
+        from .traces import TraceError, analyze_trace
+
+        if not args.meta:
+            print(f"stragglerwatch: error: {args.run_dir} is a file: a trace needs --meta META.yaml", file=sys.stderr)
+            return 2
+        try:
+            analysis = analyze_trace(args.run_dir, args.meta)
+        except TraceError as exc:
+            print(f"stragglerwatch: error: {exc}", file=sys.stderr)
+            return 2
+    elif args.run_dir is not None:
         analysis = analyze_run(args.run_dir, config, progress=Progress("reading logs"))
         if analysis.report["steps"] == 0 and not args.logs and not analysis.report["hangs"]:
             print(f"stragglerwatch: error: {args.run_dir}: empty run (no step recorded yet)", file=sys.stderr)
@@ -81,7 +92,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
         text = render_html(analysis)
         if args.out is None:
-            args.out = str(Path(args.run_dir or ".") / "report.html")
+            base = Path(args.run_dir or ".")
+            args.out = str(base.with_suffix(".html") if base.is_file() else base / "report.html")
     else:
         from .render import render_text
 
@@ -223,6 +235,10 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
                    help="torchrun/worker log files to read PyTorch's own failure messages from (NCCL watchdog "
                    "and heartbeat timeouts, gloo timeouts, monitoredBarrier, torchrun's ChildFailedError): "
                    "the report names the first failing rank and collective")  # fmt: skip
+    p.add_argument("--meta", metavar="META.yaml",
+                   help="with RUN_DIR being an op-level trace (Parquet, one row per op per worker): its "
+                   "parallel layout; adds the what-if job slowdown and its attribution to workers, stages, op "
+                   "types")  # fmt: skip
     p.add_argument("--format", choices=("text", "json", "html"), default="text",
                    help="text (default): verdict and per-rank table; json: one object (see README); "
                    "html: self-contained report with figures (default file RUN_DIR/report.html)")  # fmt: skip

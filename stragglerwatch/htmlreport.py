@@ -71,6 +71,13 @@ def render_html(analysis: Analysis) -> str:
                 for thread, stack in stacks.items():
                     parts.append(f"<details><summary>rank {rank}: {html.escape(thread)}</summary>")
                     parts.append(f"<pre>{html.escape(stack)}</pre></details>")
+    if "attribution" in report:
+        parts.append(f"<h2>What-if replay: S = {report['job_slowdown']} ({html.escape(report['whatif_verdict'])})</h2>")
+        for key, cols in (("workers", [("rank", "rank"), ("dp_rank", "dp rank"), ("stage", "stage"),
+                                       ("slowdown", "S with only its compute real")]),
+                          ("stages", [("stage", "stage"), ("slowdown", "S with only its compute real")]),
+                          ("optypes", [("optype", "op type"), ("slowdown", "S with only it real")])):  # fmt: skip
+            parts.append(_table(report["attribution"][key], cols))
     if report["group_imbalance"]:
         parts.append("<h2>Group imbalance</h2>")
         parts.append(_table(report["group_imbalance"], [("group", "group"), ("slowdown", "busy vs other groups")]))

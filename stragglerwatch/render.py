@@ -81,6 +81,23 @@ def main_stack(stacks: dict[str, str], lines: int = 8) -> str:
     return "\n".join((main or "").rstrip().splitlines()[-lines:])
 
 
+def whatif_lines(report: dict[str, Any], width: int = 80) -> list[str]:
+    """The what-if replay of an op-level trace (``analyze TRACE --meta``)."""
+    if "whatif_verdict" not in report:
+        return []
+    att = report["attribution"]
+    head = (f"what-if replay: S = {report['job_slowdown']:.2f} ({report['whatif_verdict']}); "
+            "S with only one part's compute real:")  # fmt: skip
+    lines = ["", *_wrap(head, width)]
+    workers = ", ".join(f"rank {w['rank']} (dp {w['dp_rank']}, stage {w['stage']}) {w['slowdown']:.2f}"
+                        for w in att["workers"][:3])  # fmt: skip
+    stages = ", ".join(f"stage {s['stage']} {s['slowdown']:.2f}" for s in att["stages"])
+    ops = ", ".join(f"{o['optype']} {o['slowdown']:.2f}" for o in att["optypes"])
+    for text in (f"  workers: {workers}", f"  stages: {stages}", f"  op types: {ops}"):
+        lines += _wrap(text, width)
+    return lines
+
+
 def pytorch_log_lines(report: dict[str, Any], width: int = 80, most: int = 12) -> list[str]:
     """What PyTorch's own log messages say (``analyze --logs``)."""
     if "log_events" not in report:
@@ -130,6 +147,7 @@ def render_text(report: dict[str, Any], width: int = 80) -> str:
     lines = [head, ""]
     for line in verdict_lines(report):
         lines += _wrap(line, width)
+    lines += whatif_lines(report, width)
     lines += pytorch_log_lines(report, width)
     for h in report.get("hangs", []):
         for rank, stacks in (h.get("stacks") or {}).items():
