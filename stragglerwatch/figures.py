@@ -4,6 +4,7 @@ no figure carries more than ``MAX_CELLS`` heatmap cells or ``MAX_POINTS`` points
 
 from __future__ import annotations
 
+import warnings
 from datetime import datetime, timezone
 
 import numpy as np
@@ -97,7 +98,8 @@ def busy_band(mat: StepMatrix, verdict: Verdict, ranks: list[int] | None = None)
         healthy[:, cols] = np.nan
     sb = _bins(busy.shape[0], MAX_POINTS)
     x = mat.steps[sb] if len(sb) else mat.steps
-    with np.errstate(all="ignore"):
+    with warnings.catch_warnings():  # steps where every peer is flagged or missing have no band
+        warnings.simplefilter("ignore", RuntimeWarning)
         lo, med, hi = (np.nanpercentile(healthy, q, axis=1) for q in (10, 50, 90))
     lo, med, hi = (_reduce(v[:, None], sb, 0, "mean")[:, 0] for v in (lo, med, hi))
     fig = go.Figure()
