@@ -92,8 +92,9 @@ def main() -> int:
         print(f"gpu_check: {torch.cuda.get_device_name()}, {dist.get_world_size()} rank(s), {len(df)} steps")
         print(f"gpu_check: timing column {sorted(set(df['timing']))}")
         print(f"gpu_check: forward_s median {fwd:.2f} ms (GPU spin {SPIN_MS:.1f} ms + the linear layer)")
-        print(f"gpu_check: step_s median {df['step_s'].median() * 1e3:.2f} ms, busy_s {df['busy_s'].median() * 1e3:.2f} ms, "
-              f"allreduce_wait_s {df['allreduce_wait_s'].median() * 1e3:.3f} ms")  # fmt: skip
+        med = {c: df[c].median() * 1e3 for c in ("step_s", "busy_s", "allreduce_wait_s")}
+        print(f"gpu_check: step_s {med['step_s']:.2f} ms, busy_s {med['busy_s']:.2f} ms, "
+              f"allreduce_wait_s {med['allreduce_wait_s']:.3f} ms (medians)")  # fmt: skip
         print(f"gpu_check: max |phases - step| {float((parts - df['step_s']).abs().max()) * 1e6:.1f} us")
         print(f"gpu_check: host loop time instrumented/plain {ratio:.3f} (medians of interleaved blocks)")
         if set(df["timing"]) != {"cuda"}:
