@@ -21,7 +21,9 @@ import pandas as pd
 
 from .analysis import Analysis, build_report
 from .detect import DetectConfig, detect, to_matrix
-from .whatif import COMPUTE, build_graph, makespan
+from .whatif import COMPUTE, P2P, build_graph, makespan
+
+P2P_OPS = (*P2P, *(recv for recv, _ in P2P.values()))
 
 REQUIRED = ("dp_rank", "stage", "rank", "step", "optype", "start_ts", "duration", "seq_id")
 
@@ -85,8 +87,13 @@ class Replay:
             g = g.sort_values(["dp_rank", "stage", "start_ts", "optype"], kind="stable").reset_index(drop=True)
             comp = g["optype"].isin(COMPUTE).to_numpy()
             real = g["duration"].to_numpy()
-            typical = g.groupby("optype")["duration"].transform("median").to_numpy()
+            typical = g.groupby("optype")["duration"].transform("mean").to_numpy()
             transfer = g.groupby("optype")["duration"].transform("min").to_numpy()
+            # every pipeline receive may include waiting (a stage always waits for its neighbour's
+            # backward): the transfer time of an activation is the fastest p2p op of the step
+            p2p = g["optype"].isin(P2P_OPS).to_numpy()
+            if p2p.any():
+                transfer = np.where(p2p, g.loc[p2p, "duration"].min(), transfer)
             ideal = np.where(comp, typical, transfer)
             self.steps.append((g, build_graph(g, pp), comp, real, ideal))
 

@@ -8,10 +8,11 @@ must meet, the two ends of a pipeline send/recv (``forward-send`` of stage s wit
 ``backward-recv`` of stage s-1) and the members of a collective (data-parallel
 ``params-all-gather``/``grads-reduce-scatter`` within a stage, ``embedding-grads-all-reduce``
 between the first and last stage, the global ``optimizer-clip-main-grad``), start together
-when the last of them is ready. Communication always lasts its transfer time (the
-shortest occurrence of that op at that stage in the step: its waiting is what the replay
-recomputes); compute lasts either its real duration or its *ideal* one, the median over
-the stage's peers in that step. ``S = T(real) / T(ideal)``; a part's share of S is
+when the last of them is ready. Communication always lasts its transfer time (for
+pipeline sends and receives the fastest p2p op of the step, for a collective its fastest
+occurrence: the waiting is what the replay recomputes); compute lasts either its real
+duration or its *ideal* one, the mean of its op type over all workers in that step (the
+durations are given by the caller, see ``traces.Replay``). ``S = T(real) / T(ideal)``; a part's share of S is
 ``T(ideal, with only that part's compute real) / T(ideal)``.
 """
 
