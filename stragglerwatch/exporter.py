@@ -18,7 +18,6 @@ Series (labels ``run`` and ``rank`` on all of them):
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import warnings
@@ -200,14 +199,3 @@ class Exporter:
             except OSError:
                 pass
             self.sd_path = None
-
-
-def read_targets(sd_dir: Path) -> list[dict[str, Any]]:
-    """The file_sd targets currently published in a directory."""
-    out = []
-    for p in sorted(sd_dir.glob("stragglerwatch-*.json")):
-        try:
-            out.extend(json.loads(p.read_text()))
-        except (OSError, ValueError):
-            continue
-    return out

@@ -131,13 +131,13 @@ def empty(text: str) -> go.Figure:
     return fig
 
 
-EVENT_COLORS = {"stall": "#d62728", "diagnosis": "#ff7f0e", "recovery": "#2ca02c", "sigterm": "#9467bd",
-                "exception": "#8c564b", "closed": "#7f7f7f"}  # fmt: skip
+EVENT_COLORS = {"stall": "#d62728", "recovery": "#2ca02c", "sigterm": "#9467bd", "exception": "#8c564b",
+                "closed": "#7f7f7f"}  # fmt: skip
 
 
-def events_timeline(events: list[dict], ranks: np.ndarray) -> go.Figure:
+def events_timeline(events: list[dict]) -> go.Figure:
     """Watchdog and shutdown events over wall-clock time, one row per rank."""
-    shown = [e for e in events if e.get("kind") in EVENT_COLORS and e.get("kind") != "diagnosis"]
+    shown = [e for e in events if e.get("kind") in EVENT_COLORS]
     if not shown:
         return empty("no watchdog event: no rank stalled")
     fig = go.Figure()

@@ -74,7 +74,7 @@ def render(snapshot: Snapshot, rank: int | None) -> dict[str, Any]:
         breakdown = figures.breakdown(mat, verdict)
         chosen = rank if rank is not None and rank in set(mat.ranks.tolist()) else default_rank(snapshot)
         band = figures.busy_band(mat, verdict, [chosen] if chosen is not None else [])
-    events = figures.events_timeline(snapshot.events, mat.ranks)
+    events = figures.events_timeline(snapshot.events)
     for fig in (heat, breakdown, band, events):
         fig.update_layout(uirevision=revision)
     rows = [{k: r.get(k) for k, _ in TABLE_COLUMNS} for r in report["ranks"]]

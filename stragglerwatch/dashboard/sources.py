@@ -19,7 +19,7 @@ from typing import Any
 from ..analysis import Analysis, analyze_run, build_report, empty_analysis
 from ..detect import detect, to_matrix
 from ..eventlog import RunDirError, RunDirWarning
-from ..promsource import PrometheusError, frame_from_prometheus
+from ..promsource import frame_from_prometheus
 from ..watchdog import read_events
 
 
@@ -125,11 +125,8 @@ class PrometheusSource(_Source):
         self.label = f"{url} (run {run})"
 
     def _load(self) -> tuple[Analysis | None, list[dict[str, Any]] | None, bool]:
-        try:
-            frame = frame_from_prometheus(self.url, self.run, minutes=self.minutes, window=self.window,
-                                          step_seconds=self.step_seconds)  # fmt: skip
-        except PrometheusError:
-            raise
+        frame = frame_from_prometheus(self.url, self.run, minutes=self.minutes, window=self.window,
+                                      step_seconds=self.step_seconds)  # fmt: skip
         if frame.empty:
             return empty_analysis(), [], True
         mat = to_matrix(frame)
