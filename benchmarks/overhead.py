@@ -112,14 +112,16 @@ def hook_calls_bench(n: int = 20000) -> None:
     import timeit
 
     sink: list = []
-    probe = StepProbe(sink.append, None, lambda: True)
+    opt = object()
+    probe = StepProbe(sink.append, None, lambda: True, ender=id(opt))
     out = torch.randn(4, 4, requires_grad=True) * 2
+    module = nn.Linear(1, 1)
 
     def one_step() -> None:
-        probe.on_forward_pre(None, None)
-        probe.on_forward(None, None, out)
-        probe.on_optimizer_pre(None, None, None)
-        probe.on_optimizer_post(None, None, None)
+        probe.on_forward_pre(module, None)
+        probe.on_forward(module, None, out)
+        probe.on_optimizer_pre(opt, None, None)
+        probe.on_optimizer_post(opt, None, None)
         sink.clear()
 
     t = min(timeit.repeat(one_step, number=n, repeat=5)) / n

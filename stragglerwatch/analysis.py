@@ -7,7 +7,10 @@ Report (``--format json``), schema ``stragglerwatch-report/1``:
 ``communication_bound``, ``comm_fraction``, ``stragglers`` (each ``rank``,
 ``host``, ``cause``, ``slowdown``, ``first_step``, ``last_step``,
 ``detected_step``, ``lost_seconds``, ``lost_gpu_seconds``, ``excess_ms``),
-``group_imbalance``, ``hangs``, ``ranks`` (per-rank medians), ``thresholds``.
+``group_imbalance``, ``hangs``, ``ranks`` (per-rank medians), ``thresholds``, and
+``busy_unavailable``: a list of ``{"reason", "ranks"}``, empty when every rank's busy time
+could be measured. When it is not empty no straggler verdict is given (``stragglers``
+is empty): comparing busy times that still hold communication would blame the wrong ranks.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def _num(x: float, digits: int = 6) -> float | None:
 
 def rank_rows(mat: StepMatrix, verdict: Verdict, rank_meta: dict[int, dict]) -> list[dict[str, Any]]:
     """Per-rank medians (ms), slowdown vs peers and flag, in rank order."""
-    med = {c: nanmedian(mat.values[c], axis=0) * 1000.0 for c in ("step_s", "busy_s", *PHASE_COLUMNS)}
+    med = {c: nanmedian(mat.values[c], axis=0) * 1000.0 for c in ("step_s", "busy_s", "comm_wait_s", *PHASE_COLUMNS)}
     slow = nanmedian(verdict.slowdown, axis=0)
     counts = np.sum(~np.isnan(mat.values["busy_s"]), axis=0)
     flagged = {s.rank for s in verdict.stragglers}
@@ -66,14 +69,15 @@ def build_report(
 ) -> dict[str, Any]:
     world = int(run_meta["world_size"]) if run_meta else len(mat.ranks)
     hosts = {r: m.get("host") for r, m in rank_meta.items()}
+    unavailable = busy_unavailable(rank_meta)
     stragglers = []
-    for s in verdict.stragglers:
+    for s in [] if unavailable else verdict.stragglers:
         d = s.to_dict()
         d["host"] = hosts.get(s.rank)
         d["lost_seconds"] = _num(s.lost_seconds, 4)
         d["lost_gpu_seconds"] = _num(s.lost_seconds * world, 3)
         stragglers.append(d)
-    return {
+    report = {
         "schema": REPORT_SCHEMA,
         "run_id": run_meta.get("run_id") if run_meta else None,
         "world_size": world,
@@ -89,11 +93,27 @@ def build_report(
         "communication_bound": verdict.communication_bound,
         "comm_fraction": _num(verdict.comm_fraction, 4),
         "stragglers": stragglers,
-        "group_imbalance": [g.to_dict() for g in verdict.groups],
+        "busy_unavailable": unavailable,
+        "group_imbalance": [] if unavailable else [g.to_dict() for g in verdict.groups],
         "hangs": [],
         "thresholds": {k: _num(v, 4) for k, v in verdict.thresholds.items()},
         "ranks": rank_rows(mat, verdict, rank_meta),
     }
+    if unavailable:  # every figure that compares busy times would be a guess
+        report.update(ideal_seconds=None, job_slowdown=None, lost_seconds=None, lost_gpu_seconds=None,
+                      communication_bound=None, comm_fraction=None)  # fmt: skip
+        for row in report["ranks"]:
+            row["slowdown"], row["flagged"] = None, False
+    return report
+
+
+def busy_unavailable(rank_meta: dict[int, dict]) -> list[dict[str, Any]]:
+    """Why busy time cannot be trusted, from the ranks' metadata: ``[{"reason", "ranks"}]``."""
+    by_reason: dict[str, list[int]] = {}
+    for rank, meta in sorted(rank_meta.items()):
+        for reason in meta.get("busy_unavailable") or []:
+            by_reason.setdefault(str(reason), []).append(rank)
+    return [{"reason": reason, "ranks": ranks} for reason, ranks in by_reason.items()]
 
 
 def analyze_run(

@@ -224,7 +224,7 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
         "analyze",
         help="find consistently slow ranks, their cause and what they cost (text, JSON or HTML report)",
         description="Analyse a run dir: which ranks are consistently slower than their peers (busy time = "
-        "step minus exposed all-reduce wait, compared per step with the median of the peers), since when, "
+        "step minus exposed communication and evaluation, compared per step with the median of the peers), since when, "
         "why (data, compute, optimizer, other), and what they cost the job (what-if: each step without "
         "the excess of the slowest rank; job slowdown S = actual / ideal time).",
     )
@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         "summary",
         help="per-rank table of a run: median step, busy and phase times, busy time vs peers",
         description="Print one row per rank of a run dir: median step time, busy time "
-        "(step minus exposed all-reduce wait: the straggler signal) and phase times in ms, "
+        "(step minus exposed communication and evaluation: the straggler signal) and phase times in ms, "
         "and the rank's busy time relative to the median of its peers.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run dir written by stragglerwatch.attach()")

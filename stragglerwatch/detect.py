@@ -18,16 +18,19 @@ Design (DESIGN.md, "Peers, consistency, cause, cost"):
 6. Cost (what-if): without rank k's excess, step s would have taken
    ``step - (busy_k - max(reference, busiest other rank))``; the job's ideal
    time removes ``busy_max - reference`` from every step: ``S = T_actual / T_ideal``.
-7. Communication-bound: the bottleneck rank itself waits most of its step in
-   the all-reduce. Group imbalance: a whole group's busy time above the others'.
+7. Communication-bound: even the rank that waits least (the bottleneck) spends
+   most of its step in exposed communication. Group imbalance: a whole group's busy time above the others'.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pandas as pd
+
+from .schema import PHASE_COLUMNS
 
 CAUSES = {
     "data": ("data_wait_s",),
@@ -35,7 +38,7 @@ CAUSES = {
     "optimizer": ("optimizer_s",),
     "other": ("other_s",),
 }
-MATRIX_COLUMNS = ("busy_s", "step_s", "allreduce_wait_s", *(c for cols in CAUSES.values() for c in cols))
+MATRIX_COLUMNS = ("busy_s", "step_s", "comm_wait_s", *PHASE_COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -103,10 +106,18 @@ class StepMatrix:
     values: dict[str, np.ndarray]  # column -> steps x ranks (NaN where a rank has no row)
 
 
+def _column(frame: pd.DataFrame, col: str) -> np.ndarray:
+    if col in frame:
+        return frame[col].to_numpy(dtype=float)
+    if col == "comm_wait_s":  # a frame without it: everything that is not busy was communication
+        return (frame["step_s"] - frame["busy_s"]).to_numpy(dtype=float)
+    return np.zeros(len(frame))  # a phase the frame's source does not measure
+
+
 def to_matrix(frame: pd.DataFrame) -> StepMatrix:
     """Pivot a ``load_run`` frame into steps x ranks arrays."""
     return matrix_from_columns(
-        frame["rank"].to_numpy(), frame["step"].to_numpy(), {c: frame[c].to_numpy(dtype=float) for c in MATRIX_COLUMNS}
+        frame["rank"].to_numpy(), frame["step"].to_numpy(), {c: _column(frame, c) for c in MATRIX_COLUMNS}
     )
 
 
@@ -249,8 +260,10 @@ def detect(
     step_job = np.nan_to_num(step_med)
     waste = np.clip(np.nan_to_num(busy_max - ref_job), 0.0, step_job)
     job = float(step_job.sum())
-    with np.errstate(divide="ignore", invalid="ignore"):
-        comm = np.nanmedian(1.0 - busy_max / step_med) if n_steps else 0.0
+    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN steps
+        least_wait = np.nanmin(mat.values["comm_wait_s"], axis=1) if n_steps else np.zeros(0)
+        comm = np.nanmedian(least_wait / step_med) if n_steps else 0.0
     comm = float(np.nan_to_num(comm))
     return Verdict(
         ranks=mat.ranks,

@@ -31,7 +31,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .runinfo import RUN_META, read_run_meta
-from .schema import RUN_COLUMNS, STEP_SCHEMA, StepRecord, records_to_batch, schema_compatible
+from .schema import (
+    RUN_COLUMNS,
+    STEP_SCHEMA,
+    StepRecord,
+    read_columns,
+    records_to_batch,
+    schema_compatible,
+    upgrade,
+)
 from .timing import StepMarks, anatomy
 
 #: Marks waiting for their CUDA events before the oldest are given up on.
@@ -226,11 +234,13 @@ def _read_log(path: Path, columns: list[str]) -> pa.Table | None:
 
 def _read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table | None:
     try:
-        problem = schema_compatible(pq.read_schema(path))
+        file_schema = pq.read_schema(path)
+        problem = schema_compatible(file_schema)
         if problem:
             _warn(f"{path}: skipped: {problem}")
             return None
-        table = pq.read_table(path, columns=columns)
+        wanted = read_columns(file_schema.names, columns) if columns is not None else None
+        table = pq.read_table(path, columns=wanted)
     except (pa.ArrowInvalid, OSError) as exc:
         _warn(f"{path}: skipped: unreadable Parquet ({exc})")
         return None
@@ -286,7 +296,7 @@ def read_logs(
     for i, f in enumerate(files):
         table = _read_log(f, names)
         if table is not None and table.num_rows:
-            tables.append(table.select(names).cast(schema))
+            tables.append(upgrade(table, names).cast(schema))
             ranks.update(pc.unique(table["rank"]).to_pylist())
         if progress:
             progress(i + 1, len(files))

@@ -12,8 +12,9 @@ Series (labels ``run`` and ``rank`` on all of them):
 ``stragglerwatch_step_seconds``, ``stragglerwatch_busy_seconds`` and
 ``stragglerwatch_phase_seconds{phase}`` (histograms), ``stragglerwatch_steps_total``,
 ``stragglerwatch_last_step_timestamp_seconds``, ``stragglerwatch_watchdog_timeouts_total{phase}``,
-``stragglerwatch_stalled``, ``stragglerwatch_exporter_errors_total`` and the info metric
-``stragglerwatch_rank_info{local_rank, host, pid}``.
+``stragglerwatch_stalled``, ``stragglerwatch_exporter_errors_total``, the info metric
+``stragglerwatch_rank_info{local_rank, host, pid}``, and ``stragglerwatch_busy_unavailable{reason}``
+(1 for each reason the rank's busy time cannot be measured; absent when it can).
 """
 
 from __future__ import annotations
@@ -98,11 +99,14 @@ class RankMetrics:
 class RankCollector(Collector):
     """Builds this rank's metric families at scrape time."""
 
-    def __init__(self, metrics: RankMetrics, info: RunInfo, watchdog: Any = None, errors: Any = None):
+    def __init__(
+        self, metrics: RankMetrics, info: RunInfo, watchdog: Any = None, errors: Any = None, unavailable: Any = None
+    ):
         self.metrics = metrics
         self.info = info
         self.watchdog = watchdog
         self.errors = errors  # callable returning our error count
+        self.unavailable = unavailable  # callable returning why busy time cannot be measured
         self.labels = {"run": info.run_id, "rank": str(info.rank)}
 
     def collect(self) -> Iterator[Any]:
@@ -113,7 +117,7 @@ class RankCollector(Collector):
             (
                 "stragglerwatch_busy_seconds",
                 "busy",
-                "Step time minus the exposed all-reduce wait: the straggler signal",
+                "Step time minus exposed communication and evaluation: the straggler signal",
             ),
         ):
             h = HistogramMetricFamily(name, doc, labels=names)
@@ -146,6 +150,13 @@ class RankCollector(Collector):
         e = CounterMetricFamily("stragglerwatch_exporter_errors", "Failures of stragglerwatch itself", labels=names)
         e.add_metric(values, float(self.errors() if self.errors else 0))
         yield e
+        reasons = self.unavailable() if self.unavailable else []
+        if reasons:
+            doc = "Why this rank's busy time cannot be measured"
+            u = GaugeMetricFamily("stragglerwatch_busy_unavailable", doc, labels=[*names, "reason"])
+            for reason in reasons:
+                u.add_metric([*values, reason], 1.0)
+            yield u
         i = InfoMetricFamily("stragglerwatch_rank", "Where this rank runs", labels=names)
         i.add_metric(values, {"local_rank": str(self.info.local_rank), "host": self.info.host, "pid": str(os.getpid())})
         yield i

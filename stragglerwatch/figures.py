@@ -21,6 +21,8 @@ PHASES = (
     ("forward_s", "forward", "#1f77b4"),
     ("backward_s", "backward", "#2ca02c"),
     ("allreduce_wait_s", "all-reduce wait", "#c7c7c7"),
+    ("collective_wait_s", "other collectives", "#e3e3e3"),
+    ("eval_s", "evaluation", "#bcbd22"),
     ("optimizer_s", "optimizer", "#9467bd"),
     ("other_s", "other", "#ff7f0e"),
 )
@@ -109,7 +111,7 @@ def busy_band(mat: StepMatrix, verdict: Verdict, ranks: list[int] | None = None)
     fig.add_scatter(x=x, y=med, line={"color": "#1f77b4"}, name="peers median")
     for j in cols:
         fig.add_scatter(x=x, y=_reduce(busy[:, j : j + 1], sb, 0, "mean")[:, 0], name=f"rank {mat.ranks[j]}")
-    fig.update_layout(title="Busy time (ms): step minus exposed all-reduce wait", xaxis_title="step",
+    fig.update_layout(title="Busy time (ms): step minus exposed communication and evaluation", xaxis_title="step",
                       yaxis_title="ms", margin={"t": 50})  # fmt: skip
     shown = np.concatenate([hi, *(busy[:, j] for j in cols)]) if len(hi) else np.zeros(0)
     if np.isfinite(shown).any():  # a stall of seconds must not flatten milliseconds: clip, zoom out to see it

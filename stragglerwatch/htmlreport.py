@@ -35,14 +35,14 @@ def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
 
 def render_html(analysis: Analysis) -> str:
     report, mat, verdict = analysis.report, analysis.matrix, analysis.verdict
-    ok = not report["stragglers"] and not report["hangs"] and not report["group_imbalance"]
+    ok = not (report["stragglers"] or report["hangs"] or report["group_imbalance"] or report.get("busy_unavailable"))
     verdict_html = "".join(f"<p>{html.escape(line)}</p>" for line in verdict_lines(report))
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         f"<title>stragglerwatch: {html.escape(str(report.get('run_id')))}</title><style>{STYLE}</style></head><body>",
         f"<h1>stragglerwatch report: run {html.escape(str(report.get('run_id')))}</h1>",
         f"<p>{report['ranks_seen']} of {report['world_size']} ranks, {report['steps']} steps, "
-        f"job slowdown S = {report['job_slowdown']}</p>",
+        f"job slowdown S = {'unavailable' if report['job_slowdown'] is None else report['job_slowdown']}</p>",
         f"<div class='verdict{' ok' if ok else ''}'>{verdict_html}</div>",
     ]
     if report["stragglers"]:
@@ -100,7 +100,9 @@ def render_html(analysis: Analysis) -> str:
                 ("data_wait_ms", "data"),
                 ("forward_ms", "fwd"),
                 ("backward_ms", "bwd"),
-                ("allreduce_wait_ms", "ar wait"),
+                ("allreduce_wait_ms", "all-reduce wait"),
+                ("collective_wait_ms", "other collectives"),
+                ("eval_ms", "eval"),
                 ("optimizer_ms", "opt"),
                 ("other_ms", "other"),
                 ("slowdown", "vs peers"),

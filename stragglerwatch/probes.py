@@ -4,53 +4,96 @@ Design: every hook does O(1) work — read a clock (or record a CUDA event) and
 append to a list of the current :class:`~stragglerwatch.timing.StepMarks`.
 There is no synchronisation, no ``.item()``, no collective, no I/O and no
 allocation beyond the mark itself. A finished step's marks are handed to a
-``sink`` (the event log's queue) at the optimizer step's post-hook.
+``sink`` (the event log's queue) when the step ends.
 
 Boundaries:
 - forward: the (DDP) module's ``forward`` is shadowed by a timing wrapper
-  (an instance attribute, removed on close). Module forward hooks would do the
-  same but push every call onto ``nn.Module``'s slow path, which costs more
-  than all the rest of the probe. Counted only with grad enabled (evaluation
-  forwards fall into ``other``);
-- backward start: a hook on the model output's gradient, which also queues an
-  autograd-engine callback that fires when the backward graph is done;
+  (an instance attribute, removed on close; ``shadows.py``). Module forward hooks would do the
+  same but push every call onto ``nn.Module``'s slow path. A forward without
+  grad, or of a module in eval mode, belongs to an evaluation pass: consecutive
+  ones form one ``eval`` interval, which is not training work;
+- backward start: a hook on the gradient of every tensor of the output that
+  needs one (found through nested containers and dataclasses), which also
+  queues an autograd-engine callback that fires when the backward graph is done;
 - all-reduce done: that callback queues a second one, which the engine runs
   after DDP's own end-of-backward callback (queued when the last bucket became
   ready) has waited for every bucket's all-reduce. This times the exposed
-  communication with DDP's built-in C++ all-reduce left untouched;
+  gradient communication with DDP's built-in C++ all-reduce left untouched;
+- every other collective: DDP's buffer broadcast (its ``_sync_module_buffers``
+  shadowed per instance, like forward) and every collective waited on from
+  Python (``taps.py``: ``Work.wait``), on the training thread or inside its
+  backward. Their intervals are carved out of the phase they sit in;
 - gradient buckets (optional): a DDP communication hook that wraps the
   all-reduce (or the user's own hook) and marks when each bucket is ready and
   when its all-reduce completed (in the future's ``then`` callback, in stream
   order on GPU). A Python comm hook costs host time per bucket, hence opt-in;
-- step end: the optimizer's step post-hook. Under ``no_sync()`` accumulation
-  several forwards/backwards belong to one optimizer step.
+- step end: the optimizer step post-hook of the optimizer that steps last in an
+  iteration. With several optimizers it is learned from the first iteration (a
+  step ends after the last optimizer to step before the first one steps again;
+  that first step is cut retroactively), or given as ``attach(optimizer=)``.
+  Every optimizer's ``step()`` is optimizer time, including a closure's
+  forward/backward only where they are not already forward/backward. A step
+  that GradScaler skipped counts as a step of zero optimizer time. Under
+  ``no_sync()`` accumulation several forwards/backwards belong to one step.
+
+When a part of the signal cannot be seen (no output needing a gradient, no
+backward from the outputs, compiled autograd, a multi-rank job with no
+communication seen), the probe notes the reason once in ``unavailable``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.utils import _pytree
 
 from .timing import StepMarks
 
 Sink = Callable[[StepMarks], None]
+_NESTED = object()  # token of a collective inside another timed one (counted once, by the outer)
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_SCALARS = (str, bytes, int, float, bool, type(None))
 
 
-def _grad_tensors(output: Any) -> list[torch.Tensor]:
-    """Tensors requiring grad at the top level of a forward's output."""
+def _grad_tensors(output: Any, most: int = 64) -> list[torch.Tensor]:
+    """Tensors needing a gradient anywhere in a forward's output: containers pytree knows
+    (dict, list, tuple, namedtuple, registered types such as Hugging Face's ModelOutput),
+    mappings and dataclasses, nested; at most ``most``, each once."""
     if isinstance(output, torch.Tensor):
         return [output] if output.requires_grad else []
-    if isinstance(output, dict):
-        values: Iterable[Any] = output.values()
-    elif isinstance(output, (tuple, list)):
-        values = output
-    else:
-        return []
-    return [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
+    found: dict[int, torch.Tensor] = {}
+    stack, visited = [output], 0
+    while stack and len(found) < most and visited < 10_000:
+        x = stack.pop()
+        visited += 1
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad:
+                found.setdefault(id(x), x)
+        elif isinstance(x, _SCALARS):
+            continue
+        elif isinstance(x, Mapping):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset, deque)):
+            stack.extend(x)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            stack.extend(getattr(x, f.name, None) for f in dataclasses.fields(x))
+        else:
+            node = _pytree.SUPPORTED_NODES.get(type(x))
+            if node is not None:
+                stack.extend(node.flatten_fn(x)[0])
+    return list(found.values())
+
+
+def _compiled_autograd_active() -> bool:
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(module is not None and getattr(module, "compiled_autograd_enabled", False))
 
 
 def cuda_mark() -> torch.cuda.Event:
@@ -62,20 +105,41 @@ def cuda_mark() -> torch.cuda.Event:
 
 class StepProbe:
     """The hook callbacks of one watched model. Not thread-safe by design: the
-    training thread drives it; only the all-reduce ``then`` callbacks run
-    elsewhere, and they only append to the list of the step they belong to."""
+    training thread drives it; the all-reduce ``then`` callbacks and, on CUDA,
+    the autograd engine's device threads only append to the current step's lists."""
 
-    def __init__(self, sink: Sink, mark: Callable[[], Any] | None = None, syncing: Callable[[], bool] | None = None):
+    def __init__(
+        self,
+        sink: Sink,
+        mark: Callable[[], Any] | None = None,
+        syncing: Callable[[], bool] | None = None,
+        *,
+        ender: int | None = None,
+        expect_comm: bool = False,
+        on_unavailable: Callable[[str], None] | None = None,
+    ):
         self._sink = sink
         self._syncing = syncing  # DDP: does this backward all-reduce (not under no_sync())?
         self._now = time.perf_counter
         self._mark = mark or self._now
+        self._host = mark is None
         self._data_from_gap = True
         self._cur: StepMarks | None = None
         self._next_step = 0
         self._fwd_open = False
+        self._eval_fwd = False  # the forward now running is an evaluation forward
+        self._eval_open = False  # consecutive evaluation forwards extend one eval interval
         self._in_backward = False
-        self._optimizer_id: int | None = None
+        self._tid = threading.get_ident()  # the training thread (that of the latest training forward)
+        self._comm_depth = 0
+        self._ender = ender  # id of the optimizer whose step ends a training step (None: learn it)
+        self._stepped: set[int] = set()  # optimizers stepped in the current step
+        self._cut: tuple[tuple[int, ...], Any, float, int] | None = None  # last optimizer end, ender unknown
+        self._opt_depth = 0
+        self._opt_calls = 0
+        self._expect_comm = expect_comm  # multi-rank model without DDP: is any communication seen?
+        self._on_unavailable = on_unavailable
+        self.unavailable: dict[str, str] = {}  # what of the signal cannot be seen, and why
         self.enabled = True
         # where the training thread is, for the watchdog thread: (step, phase, since), one
         # tuple assigned at once so that a reader never sees a torn update
@@ -88,11 +152,22 @@ class StepProbe:
         """Optimizer steps completed so far."""
         return self._next_step
 
+    def _at(self, host: float) -> Any:
+        """A mark for host time ``host`` (the host clock itself, or a new device event)."""
+        return host if self._host else self._mark()
+
     def _begin(self, host: float | None = None) -> StepMarks:
         host = self._now() if host is None else host
-        mark = host if self._mark is self._now else self._mark()
-        self._cur = StepMarks(self._next_step, mark, host, self._data_from_gap)
+        self._cur = StepMarks(self._next_step, self._at(host), host, self._data_from_gap)
         return self._cur
+
+    def note_unavailable(self, key: str, reason: str) -> None:
+        """Record once that part of the signal cannot be measured, and why."""
+        if key in self.unavailable:
+            return
+        self.unavailable[key] = reason
+        if self._on_unavailable is not None:
+            self._on_unavailable(reason)
 
     # -- data -------------------------------------------------------------
     def wrap(self, iterable: Iterable[Any]) -> TimedIterable:
@@ -116,38 +191,68 @@ class StepProbe:
             t1 = now()
             self.where = (self._next_step, "other", t1)
             if m is not None:
-                m.data_wait_s += t1 - t0
+                m.data.append((t0, t1))
             yield item
 
     # -- forward ----------------------------------------------------------
     def on_forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         if not self.enabled:
             return
-        self.where = (self._next_step, "forward", self._now())  # evaluation forwards are progress too
-        if not torch.is_grad_enabled():
+        now = self._now()
+        if not (module.training and torch.is_grad_enabled()):  # evaluation: not training work
+            self.where = (self._next_step, "eval", now)
+            m = self._cur
+            if m is not None and not self._fwd_open:
+                if not self._eval_open:
+                    m.evals.append([self._at(now), None])
+                    self._eval_open = True
+                self._eval_fwd = True
             return
-        m = self._cur or self._begin()
+        self.where = (self._next_step, "forward", now)
+        self._tid = threading.get_ident()
+        m = self._cur or self._begin(now)
+        self._eval_open = self._eval_fwd = False
         if self._fwd_open:  # the previous forward raised: drop its dangling start
             m.fwd_start.pop()
         self._fwd_open = True
-        m.fwd_start.append(self._mark())
+        m.fwd_start.append(self._at(now))
 
     def on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.enabled:
-            self.where = (self._next_step, "other", self._now())
+        if not self.enabled:
+            return
+        now = self._now()
+        self.where = (self._next_step, "other", now)
+        if self._eval_fwd:
+            self._eval_fwd = False
+            if self._cur is not None and self._cur.evals:
+                self._cur.evals[-1][1] = self._at(now)
+            return
         if not self._fwd_open:
             return
         self._fwd_open = False
-        self._cur.fwd_end.append(self._mark())  # type: ignore[union-attr]
-        for t in _grad_tensors(output):
+        self._cur.fwd_end.append(self._at(now))  # type: ignore[union-attr]
+        tensors = _grad_tensors(output)
+        for t in tensors:
             t.register_hook(self._on_output_grad)
+        if not tensors and self._syncing is not None:
+            self.note_unavailable(
+                "no_grad_output",
+                "no tensor of the model's output needs a gradient, so backward and the gradient "
+                "all-reduce wait cannot be timed",
+            )
 
     # -- backward ---------------------------------------------------------
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         m = self._cur
         if self._in_backward or m is None or not self.enabled:
             return
+        if _compiled_autograd_active():
+            self.note_unavailable(
+                "compiled_autograd", "compiled autograd runs the backward: the gradient all-reduce wait is not seen"
+            )
+            return
         self._in_backward = True
+        self._eval_open = False
         self.where = (self._next_step, "backward", self._now())
         m.bwd_start.append(self._mark())
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -169,6 +274,34 @@ class StepProbe:
         if m is not None and m.bwd_end:
             self.where = (self._next_step, "other", self._now())
             m.sync.append((m.bwd_end[-1], self._mark()))
+
+    # -- every other collective ------------------------------------------
+    def comm_begin(self) -> Any:
+        """A collective starts being waited for (``taps``, DDP's buffer sync). Returns a token."""
+        if not self.enabled or self._cur is None:
+            return None
+        if threading.get_ident() != self._tid and _graph_task_id() < 0:
+            return None  # another thread's collective (not inside our backward): not this step's
+        self._comm_depth += 1
+        if self._comm_depth > 1:
+            return _NESTED
+        step, phase, _ = self.where
+        now = self._now()
+        self.where = (step, "collective_wait", now)
+        return (self._at(now), phase)
+
+    def comm_end(self, token: Any) -> None:
+        if token is None:
+            return
+        self._comm_depth = max(0, self._comm_depth - 1)
+        if token is _NESTED:
+            return
+        start, phase = token
+        now = self._now()
+        m = self._cur
+        if m is not None:
+            m.comm.append((start, self._at(now)))
+        self.where = (self._next_step, phase, now)
 
     def comm_hook(self, inner: Callable[[Any, Any], torch.futures.Future] | None, state: Any) -> Callable:
         """A DDP communication hook timing ``inner(state, bucket)``; ``inner=None``
@@ -206,32 +339,88 @@ class StepProbe:
         hook.__qualname__ = f"stragglerwatch({getattr(inner, '__qualname__', 'allreduce')})"
         return hook
 
-    # -- optimizer --------------------------------------------------------
-    def _is_tracked(self, optimizer: Any) -> bool:
-        if self._optimizer_id is None:
-            self._optimizer_id = id(optimizer)
-        return self._optimizer_id == id(optimizer)
-
+    # -- optimizer and step end -------------------------------------------
     def on_optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self.enabled or not self._is_tracked(optimizer):
+        if not self.enabled:
             return
-        m = self._cur or self._begin()
-        self.where = (self._next_step, "optimizer", self._now())
-        m.opt_start = self._mark()
+        self._opt_depth += 1
+        if self._opt_depth > 1:  # stepped by another optimizer's step (a wrapper): counted once
+            return
+        self._opt_calls += 1
+        if self._ender is None and self._cut is not None and id(optimizer) in self._stepped:
+            self._end_at_cut()  # an optimizer steps again: the iteration ended at the last one
+        now = self._now()
+        m = self._cur or self._begin(now)
+        self._eval_open = False
+        self.where = (self._next_step, "optimizer", now)
+        m.opt.append([self._at(now), None])
 
     def on_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.enabled or self._opt_depth == 0:
+            return
+        self._opt_depth -= 1
         m = self._cur
-        if not self.enabled or m is None or m.opt_start is None or not self._is_tracked(optimizer):
+        if self._opt_depth or m is None or not m.opt:
             return
         host = self._now()
-        end = host if self._mark is self._now else self._mark()
-        m.end = end
-        self._next_step += 1
-        self._cur = StepMarks(self._next_step, end, host, self._data_from_gap)
+        end = self._at(host)
+        m.opt[-1][1] = end
+        oid = id(optimizer)
+        self._stepped.add(oid)
+        self.where = (self._next_step, "other", host)
+        if self._ender == oid:
+            m.end = end
+            self._cur = StepMarks(m.step + 1, end, host, self._data_from_gap)
+            self.where = (m.step + 1, "data_wait" if self._data_from_gap else "other", host)
+            self._emit(m, host)
+        elif self._ender is None:
+            self._cut = (m.lengths(), end, host, oid)
+
+    def scaler_begin(self, optimizer: Any) -> Any:
+        return self._opt_calls if self.enabled else None
+
+    def scaler_end(self, token: Any, optimizer: Any) -> None:
+        """After ``GradScaler.step``: an optimizer it skipped (inf/NaN) still ended an iteration."""
+        if token is not None and self.enabled and self._opt_calls == token and self._opt_depth == 0:
+            self.on_optimizer_pre(optimizer, (), {})
+            self.on_optimizer_post(optimizer, (), {})
+
+    def _end_at_cut(self) -> None:
+        cut, end, host, oid = self._cut  # type: ignore[misc]
+        self._ender, self._cut = oid, None
+        m = self._cur
+        if m is None:
+            return
+        self._cur = m.split(cut, end, host)
+        self._emit(m, host)
+
+    def finish_pending(self) -> None:
+        """At close: a step whose end is known but not yet confirmed (ender still unknown)."""
+        if self._ender is None and self._cut is not None:
+            self._end_at_cut()
+
+    def _emit(self, m: StepMarks, host: float) -> None:
+        self._next_step = m.step + 1
+        self._stepped.clear()
         self._in_backward = False
-        self.where = (self._next_step, "data_wait" if self._data_from_gap else "other", host)
         self.recent_steps.append(host - m.host_start)
         self.last_step_end = host
+        if self._syncing is not None and m.fwd_start and not m.bwd_start:
+            self.note_unavailable(
+                "no_backward",
+                "no backward was seen from the model's outputs (is the loss computed from them?), "
+                "so the gradient all-reduce wait cannot be timed",
+            )
+        if self._expect_comm:
+            if m.comm or m.sync:
+                self._expect_comm = False
+            elif m.step >= 10:
+                self._expect_comm = False
+                self.note_unavailable(
+                    "no_comm",
+                    "a multi-rank job whose model is not DistributedDataParallel, and no collective was "
+                    "seen in 10 steps: its communication is not visible to stragglerwatch",
+                )
         self._sink(m)
 
 
@@ -252,30 +441,3 @@ class TimedIterable:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._iterable, name)
-
-
-class ForwardTimer:
-    """Shadows ``model.forward`` with a wrapper calling the probe around it; ``remove()`` undoes it."""
-
-    def __init__(self, model: torch.nn.Module, probe: StepProbe):
-        self._model = model
-        self._previous = model.__dict__.get("forward")  # somebody else's instance-level forward
-        inner = model.forward
-        pre, post = probe.on_forward_pre, probe.on_forward
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            pre(model, args)
-            output = inner(*args, **kwargs)
-            post(model, args, output)
-            return output
-
-        self._wrapper = forward
-        model.forward = forward  # type: ignore[method-assign]
-
-    def remove(self) -> None:
-        if self._model.__dict__.get("forward") is not self._wrapper:
-            return  # replaced since: leave the newer one alone
-        if self._previous is None:
-            del self._model.forward
-        else:
-            self._model.forward = self._previous  # type: ignore[method-assign]

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .schema import PHASES
+from .schema import COMM_PHASES, PHASES
 
 
 class PrometheusError(Exception):
@@ -35,6 +35,17 @@ def _query_range(url: str, query: str, start: float, end: float, step: float, ti
     if data.get("status") != "success":
         raise PrometheusError(f"{url}: {data.get('error', 'query failed')}")
     return data["data"]["result"]
+
+
+def unavailable_from_prometheus(url: str, run: str, timeout: float = 10.0) -> dict[int, dict[str, list[str]]]:
+    """Each rank's ``busy_unavailable`` reasons as exported now, in ``read_rank_meta``'s shape."""
+    query = f'stragglerwatch_busy_unavailable{{run="{run}"}} == 1'
+    now = time.time()
+    out: dict[int, dict[str, list[str]]] = {}
+    for series in _query_range(url, query, now, now, 1.0, timeout):
+        labels = series["metric"]
+        out.setdefault(int(labels["rank"]), {"busy_unavailable": []})["busy_unavailable"].append(labels["reason"])
+    return out
 
 
 def frame_from_prometheus(
@@ -81,6 +92,7 @@ def frame_from_prometheus(
         if col not in frame:
             frame[col] = np.nan
     frame = frame.dropna(subset=["busy_s", "step_s"]).fillna(0.0)
+    frame["comm_wait_s"] = sum(frame[f"{p}_s"] for p in COMM_PHASES)
     frame["start_time"] = frame["step"].map(lambda s: float(times[min(s, len(times) - 1)]))
     frame["world_size"] = frame["rank"].nunique()
     return frame.sort_values(["step", "rank"]).reset_index(drop=True)

@@ -28,7 +28,12 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
     """The verdict in a few sentences; shared by the text report and the dashboard banner."""
     lines = []
     stragglers = report["stragglers"]
-    if stragglers:
+    unavailable = report.get("busy_unavailable") or []
+    for u in unavailable:
+        lines.append(f"busy time unavailable: {u['reason']} (rank {_ranks(u['ranks'])}).")
+    if unavailable:
+        lines.append("no straggler verdict: busy times that still hold communication cannot be compared.")
+    elif stragglers:
         n = len(stragglers)
         lines.append(f"{n} straggler{'s' if n > 1 else ''}:")
         for s in stragglers:
@@ -47,8 +52,10 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
     if report["communication_bound"]:
         lines.append(
             f"communication-bound: even the busiest rank waits {report['comm_fraction']:.0%} of each step "
-            "in the all-reduce (no rank straggles; the network or collective is the limit)."
+            "in communication (no rank straggles; the network or collective is the limit)."
         )
+    if unavailable:
+        return lines
     lines.append(
         f"job slowdown S = {report['job_slowdown']:.3f}: {_duration(report['job_seconds'])} actual vs "
         f"{_duration(report['ideal_seconds'])} if every rank ran at its peers' median "
@@ -65,7 +72,11 @@ def hang_line(h: dict[str, Any]) -> str:
     if h.get("silent_ranks"):
         text += f" (silent: {_ranks(h['silent_ranks'])}, dead or stuck in native code)"
     if h.get("victim_ranks"):
-        text += f"; waiting in the all-reduce: {_ranks(h['victim_ranks'])}"
+        text += f"; waiting for it in a collective: {_ranks(h['victim_ranks'])}"
+    if h.get("basis") == "collective counts":
+        text += " (by the collectives each rank issued)"
+    if h.get("mismatch_suspected"):
+        text += "; the culprits are themselves blocked in a collective: one the others never issue (mismatch)?"
     if h.get("waited_s"):
         text += f"; noticed after {h['waited_s']:.1f} s"
     if h.get("evidence") != "shutdown":
@@ -153,14 +164,14 @@ def render_text(report: dict[str, Any], width: int = 80) -> str:
         for rank, stacks in (h.get("stacks") or {}).items():
             lines += ["", f"rank {rank}, main thread, when the stall was noticed:"]
             lines += ["  " + line[: width - 2] for line in main_stack(stacks).splitlines()]
-    lines += ["", "per rank (medians, ms; busy = step - exposed all-reduce wait):"]
+    lines += ["", "per rank (medians, ms; busy = step - exposed communication - eval):"]
     lines.append(
-        f"{'rank':>6} {'step':>7} {'busy':>7} {'data':>6} {'fwd':>6} {'bwd':>6} {'ar_wait':>7} "
+        f"{'rank':>6} {'step':>7} {'busy':>7} {'data':>6} {'fwd':>6} {'bwd':>6} {'comm':>7} "
         f"{'opt':>5} {'other':>6} {'vs peers':>8}"
     )
     rows = report["ranks"]
     if len(rows) > MAX_TABLE_ROWS:
-        ordered = sorted(rows, key=lambda r: (not r["flagged"], -(r["slowdown"] or 0)))
+        ordered = sorted(rows, key=lambda r: (not r["flagged"], -(r["slowdown"] or r["busy_ms"] or 0)))
         shown = sorted(ordered[:MAX_TABLE_ROWS], key=lambda r: r["rank"])
     else:
         shown = rows
@@ -168,7 +179,7 @@ def render_text(report: dict[str, Any], width: int = 80) -> str:
         flag = " *" if r["flagged"] else ""
         lines.append(
             f"{r['rank']:>6} {_f(r['step_ms'], 7)} {_f(r['busy_ms'], 7)} {_f(r['data_wait_ms'], 6)} "
-            f"{_f(r['forward_ms'], 6)} {_f(r['backward_ms'], 6)} {_f(r['allreduce_wait_ms'], 7)} "
+            f"{_f(r['forward_ms'], 6)} {_f(r['backward_ms'], 6)} {_f(r.get('comm_wait_ms'), 7)} "
             f"{_f(r['optimizer_ms'], 5)} {_f(r['other_ms'], 6)} {_f(r['slowdown'], 7, 2)}x{flag}"
         )
     if len(rows) > len(shown):

@@ -6,7 +6,8 @@ import pandas as pd
 
 from .schema import PHASE_COLUMNS
 
-SUMMARY_COLUMNS = ("steps", "step_ms", "busy_ms", *(c.replace("_s", "_ms") for c in PHASE_COLUMNS), "busy_vs_peers")
+_PHASE_MS = tuple(c.replace("_s", "_ms") for c in PHASE_COLUMNS)
+SUMMARY_COLUMNS = ("steps", "step_ms", "busy_ms", "comm_wait_ms", *_PHASE_MS, "busy_vs_peers")
 
 
 def rank_summary(frame: pd.DataFrame) -> pd.DataFrame:
@@ -16,7 +17,7 @@ def rank_summary(frame: pd.DataFrame) -> pd.DataFrame:
     if frame.empty:
         return pd.DataFrame(columns=list(SUMMARY_COLUMNS), index=pd.Index([], name="rank"))
     by_rank = frame.groupby("rank")
-    med = by_rank[["step_s", "busy_s", *PHASE_COLUMNS]].median() * 1000.0
+    med = by_rank[["step_s", "busy_s", "comm_wait_s", *PHASE_COLUMNS]].median() * 1000.0
     med.columns = [c.replace("_s", "_ms") for c in med.columns]
     med.insert(0, "steps", by_rank.size())
     busy = med["busy_ms"]
@@ -35,16 +36,17 @@ def render_summary(summary: pd.DataFrame, world_size: int) -> str:
         return "no steps recorded yet"
     steps = int(summary["steps"].max())
     lines = [
-        f"{len(summary)} of {world_size} ranks, {steps} steps; medians in ms; busy = step - exposed all-reduce wait",
+        f"{len(summary)} of {world_size} ranks, {steps} steps; medians in ms; "
+        "busy = step - exposed communication - eval",
         f"{'rank':>5} {'steps':>6} {'step':>7} {'busy':>7} {'data':>6} {'fwd':>6} {'bwd':>6} "
-        f"{'ar_wait':>7} {'opt':>5} {'other':>6} {'vs peers':>8}",
+        f"{'comm':>7} {'opt':>5} {'other':>6} {'vs peers':>8}",
     ]
     top = summary["busy_vs_peers"].idxmax()
     for rank, r in summary.iterrows():
         mark = "  <- slowest" if rank == top and len(summary) > 1 and r["busy_vs_peers"] > 1.05 else ""
         lines.append(
             f"{rank:>5} {int(r['steps']):>6} {r['step_ms']:>7.1f} {r['busy_ms']:>7.1f} {r['data_wait_ms']:>6.1f} "
-            f"{r['forward_ms']:>6.1f} {r['backward_ms']:>6.1f} {r['allreduce_wait_ms']:>7.1f} "
+            f"{r['forward_ms']:>6.1f} {r['backward_ms']:>6.1f} {r['comm_wait_ms']:>7.1f} "
             f"{r['optimizer_ms']:>5.1f} {r['other_ms']:>6.1f} {r['busy_vs_peers']:>7.2f}x{mark}"
         )
     return "\n".join(lines)

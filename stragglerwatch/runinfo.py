@@ -8,7 +8,8 @@ publishes it through the process group's existing c10d store.
 
 Files of a run dir:
 - ``run.json``: written once by rank 0 (run id, world size, versions, config);
-- ``rank-NNNNN.json``: per rank (host, local rank, pid, device, timing clock);
+- ``rank-NNNNN.json``: per rank (host, local rank, pid, device, timing clock, role, and
+  ``busy_unavailable``: why this rank's busy time cannot be trusted, when it cannot);
 - ``rank-NNNNN.arrows`` / ``.parquet``: the step log (``eventlog.py``).
 """
 
@@ -127,6 +128,11 @@ def write_meta(info: RunInfo, config: dict[str, Any], rank_meta: dict[str, Any])
                 "config": config,
             },
         )
+    write_rank_meta(info, rank_meta)
+
+
+def write_rank_meta(info: RunInfo, rank_meta: dict[str, Any]) -> None:
+    """(Re)write this rank's ``rank-NNNNN.json``: identity, pid and ``rank_meta``."""
     own = {k: v for k, v in asdict(info).items() if k != "run_dir"}
     write_json_atomic(info.run_dir / f"rank-{info.rank:05d}.json", {**own, "pid": os.getpid(), **rank_meta})
 

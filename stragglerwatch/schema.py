@@ -7,23 +7,33 @@ as Arrow record batches with :data:`STEP_SCHEMA`. ``load_run`` returns the same
 columns plus ``world_size``.
 
 Versioning: ``SCHEMA_VERSION`` is ``MAJOR.MINOR``. Readers accept any minor
-version of their major (new columns are additive) and refuse other majors.
+version of their major (new columns are additive) and refuse other majors; a
+column an older minor version lacks is derived from what it has
+(:func:`upgrade`). 1.1 added ``collective_wait_s``, ``eval_s`` and ``comm_wait_s``:
+before it, the gradient all-reduce was the only communication subtracted.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import pyarrow as pa
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 SCHEMA_MAJOR = SCHEMA_VERSION.split(".")[0]
 META_KEY = b"stragglerwatch.schema_version"
 
-#: The phases that partition a step, in timeline order.
-PHASES = ("data_wait", "forward", "backward", "allreduce_wait", "optimizer", "other")
+#: The phases that partition a step. ``allreduce_wait``: DDP's exposed gradient all-reduce;
+#: ``collective_wait``: every other collective the step blocked in (DDP's buffer broadcast,
+#: SyncBatchNorm, the loop's own); ``eval``: evaluation passes (forwards without grad).
+PHASES = ("data_wait", "forward", "backward", "allreduce_wait", "collective_wait", "eval", "optimizer", "other")
 #: Column name of each phase's duration.
 PHASE_COLUMNS = tuple(f"{p}_s" for p in PHASES)
+#: The phases that are communication: ``comm_wait_s`` is their sum, and busy time excludes them.
+COMM_PHASES = ("allreduce_wait", "collective_wait")
+#: Phases that are not the rank's own training work: excluded from busy time.
+NOT_BUSY_PHASES = (*COMM_PHASES, "eval")
 
 
 class StepRecord(NamedTuple):
@@ -36,10 +46,13 @@ class StepRecord(NamedTuple):
     forward_s: float
     backward_s: float
     allreduce_wait_s: float
+    collective_wait_s: float
+    eval_s: float
     optimizer_s: float
     other_s: float
     step_s: float
-    busy_s: float
+    busy_s: float  # step_s - comm_wait_s - eval_s: the straggler signal
+    comm_wait_s: float  # all exposed communication: allreduce_wait_s + collective_wait_s
     micro_batches: int
     timing: str  # "host" or "cuda": which clock measured the compute phases
     bucket_index: list[int]
@@ -55,6 +68,7 @@ STEP_SCHEMA = pa.schema(
         *(pa.field(c, pa.float64()) for c in PHASE_COLUMNS),
         pa.field("step_s", pa.float64()),
         pa.field("busy_s", pa.float64()),
+        pa.field("comm_wait_s", pa.float64()),
         pa.field("micro_batches", pa.int32()),
         pa.field("timing", pa.string()),
         pa.field("bucket_index", pa.list_(pa.int32())),
@@ -88,7 +102,32 @@ def schema_compatible(schema: pa.Schema) -> str | None:
     major = version.decode(errors="replace").split(".")[0]
     if major != SCHEMA_MAJOR:
         return f"schema version {version.decode(errors='replace')} (this reader: {SCHEMA_VERSION})"
-    missing = [n for n in STEP_SCHEMA.names if n not in schema.names]
+    missing = [n for n in STEP_SCHEMA.names if n not in schema.names and n not in _DERIVED]
     if missing:
         return f"missing columns {missing}"
     return None
+
+
+#: Columns added after 1.0, and how a file without them is read: before 1.1 only the
+#: gradient all-reduce was subtracted, and evaluation was not told apart.
+_DERIVED = {
+    "collective_wait_s": lambda t: pa.array(np.zeros(t.num_rows)),
+    "eval_s": lambda t: pa.array(np.zeros(t.num_rows)),
+    "comm_wait_s": lambda t: t["allreduce_wait_s"],
+}
+
+
+def upgrade(table: pa.Table, names: list[str]) -> pa.Table:
+    """``table`` (of any readable minor version) with the columns ``names``, in that order."""
+    for name in names:
+        if name not in table.column_names:
+            table = table.append_column(STEP_SCHEMA.field(name), _DERIVED[name](table))
+    return table.select(names)
+
+
+def read_columns(file_names: list[str], wanted: list[str]) -> list[str]:
+    """The columns to read from a file with ``file_names`` to derive ``wanted``."""
+    need = set(wanted)
+    if "comm_wait_s" in need and "comm_wait_s" not in file_names:
+        need.add("allreduce_wait_s")
+    return [n for n in file_names if n in need]

@@ -74,7 +74,8 @@ class SimConfig:
 
 
 def simulate_arrays(cfg: SimConfig) -> dict[str, np.ndarray]:
-    """Steps x ranks arrays of every phase, ``busy_s``, ``step_s`` and ``allreduce_wait_s``."""
+    """Steps x ranks arrays of every column of the step log: every phase, ``busy_s``, ``step_s``
+    and ``comm_wait_s`` (here the gradient all-reduce's, the only collective simulated)."""
     rng = np.random.default_rng(cfg.seed)
     shape = (cfg.steps, cfg.ranks)
     base = cfg.step_ms / 1000.0
@@ -96,6 +97,9 @@ def simulate_arrays(cfg: SimConfig) -> dict[str, np.ndarray]:
     out["busy_s"] = busy
     out["step_s"] = np.broadcast_to(step[:, None], shape).copy()
     out["allreduce_wait_s"] = out["step_s"] - busy
+    out["comm_wait_s"] = out["allreduce_wait_s"]
+    out["collective_wait_s"] = np.zeros(shape)
+    out["eval_s"] = np.zeros(shape)
     return out
 
 

@@ -6,70 +6,119 @@ or a recorded ``torch.cuda.Event`` on the GPU path. Nothing is computed on the
 training thread. The event-log thread later resolves device marks lazily
 (:func:`resolve_cuda` returns ``None`` until every event has completed: it
 uses ``Event.query()``, never a synchronisation) and calls :func:`anatomy`,
-which is the single definition of the step anatomy in DESIGN.md:
+which is the single definition of the step anatomy in DESIGN.md.
 
-    start ── data wait ── forward ── backward compute ── all-reduce wait ── optimizer ── end
-    (each phase summed over micro-batches; ``other`` is what is left)
+The marks are intervals, and they nest: a collective sits inside forward (DDP's
+buffer broadcast, SyncBatchNorm) or backward, a closure's forward and backward
+inside ``optimizer.step``. :func:`anatomy` gives every instant of the step to
+the most specific interval covering it, in this order:
 
-``backward`` runs from the gradient of the model output (first backward node)
-to the end of the autograd graph; ``allreduce_wait`` from that end until DDP's
-own end-of-backward callback has waited for every bucket's all-reduce (zero
-when communication was fully overlapped), summed over the synchronising
-backward passes of the step; ``busy = step - allreduce_wait`` is the straggler
-signal. Per-bucket ready/all-reduce marks are optional (``bucket_timings``).
+    communication (gradient all-reduce wait, every other collective)
+    > evaluation passes > forward, backward, wrapped-loader waits
+    > optimizer > the gap before the first forward (data, without a wrapped loader)
+    > other (the rest)
+
+so the phases partition the step exactly. ``busy = step - communication - eval``
+is the straggler signal. Per-bucket ready/all-reduce marks are optional
+(``bucket_timings``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from .schema import StepRecord
+
+#: The list-valued marks of a step, in the order :meth:`StepMarks.lengths` reports them.
+_LISTS = ("fwd_start", "fwd_end", "bwd_start", "bwd_end", "ready", "done", "sync", "comm", "evals", "opt", "data")
 
 
 class StepMarks:
     """Marks of one optimizer step of one rank (host floats or CUDA events)."""
 
-    __slots__ = (
-        "step",
-        "start",
-        "host_start",
-        "fwd_start",
-        "fwd_end",
-        "bwd_start",
-        "bwd_end",
-        "ready",
-        "done",
-        "sync",
-        "opt_start",
-        "end",
-        "data_wait_s",
-        "data_from_gap",
-    )
+    __slots__ = ("step", "start", "host_start", "end", "data_from_gap", *_LISTS)
 
     def __init__(self, step: int, start: Any, host_start: float, data_from_gap: bool = True):
         self.step = step
         self.start = start
         self.host_start = host_start  # perf_counter seconds, for the wall-clock start time
-        self.fwd_start: list[Any] = []
+        self.end: Any = None
+        self.data_from_gap = data_from_gap  # no wrapped loader: data wait = gap before forward
+        self.fwd_start: list[Any] = []  # training forwards (grad enabled, module in training mode)
         self.fwd_end: list[Any] = []
         self.bwd_start: list[Any] = []
         self.bwd_end: list[Any] = []
         self.ready: list[tuple[int, Any]] = []  # (bucket index, grads ready)
         self.done: list[tuple[int, Any]] = []  # (bucket index, all-reduce done); other thread
         self.sync: list[tuple[Any, Any]] = []  # (graph done, all-reduces waited for) per synced pass
-        self.opt_start: Any = None
-        self.end: Any = None
-        self.data_wait_s = 0.0  # host seconds blocked in a wrapped loader
-        self.data_from_gap = data_from_gap  # no wrapped loader: data wait = gap before forward
+        self.comm: list[tuple[Any, Any]] = []  # every other collective waited for: (start, end)
+        self.evals: list[list[Any]] = []  # [start, end] of each evaluation pass (end None while open)
+        self.opt: list[list[Any]] = []  # [start, end] of each optimizer.step() (end None while open)
+        self.data: list[tuple[float, float]] = []  # host intervals blocked in a wrapped loader
+
+    def lengths(self) -> tuple[int, ...]:
+        """How many marks each list holds now (a cut point for :meth:`split`)."""
+        return tuple(len(getattr(self, name)) for name in _LISTS)
+
+    def split(self, cut: tuple[int, ...], end: Any, host_end: float) -> StepMarks:
+        """End this step at ``end`` (marks up to ``cut``); the marks after the cut start the next one."""
+        tail = StepMarks(self.step + 1, end, host_end, self.data_from_gap)
+        for name, n in zip(_LISTS, cut, strict=True):
+            marks = getattr(self, name)
+            setattr(tail, name, marks[n:])
+            del marks[n:]
+        self.end = end
+        return tail
 
     def events(self) -> list[Any]:
-        """Every mark of the step, in no particular order."""
-        marks = [self.start, self.end, *self.fwd_start, *self.fwd_end, *self.bwd_start]
-        marks += [*self.bwd_end, *(m for _, m in self.ready), *(m for _, m in self.done)]
-        marks += [m for pair in self.sync for m in pair]
-        if self.opt_start is not None:
-            marks.append(self.opt_start)
+        """Every device mark of the step, in no particular order (host ``data`` excluded)."""
+        marks = [self.start, self.end, *self.fwd_start, *self.fwd_end, *self.bwd_start, *self.bwd_end]
+        marks += [m for _, m in self.ready] + [m for _, m in self.done]
+        for pairs in (self.sync, self.comm, self.evals, self.opt):
+            marks += [m for pair in pairs for m in pair if m is not None]
         return marks
+
+
+def _union(intervals: Iterable[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    """Sorted disjoint union of the intervals, clipped to [lo, hi]."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _uncovered(union: list[tuple[float, float]], covered: list[tuple[float, float]]) -> float:
+    """Length of ``union`` outside ``covered`` (both sorted and disjoint)."""
+    total, j = 0.0, 0
+    for a, b in union:
+        length = b - a
+        while j < len(covered) and covered[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(covered) and covered[k][0] < b:
+            length -= min(b, covered[k][1]) - max(a, covered[k][0])
+            k += 1
+        total += length
+    return total
+
+
+def carve(layers: list[tuple[str, Iterable[tuple[float, float]]]], lo: float, hi: float) -> dict[str, float]:
+    """Seconds of [lo, hi] per label: each layer gets what no earlier layer covered. Pure."""
+    covered: list[tuple[float, float]] = []
+    out: dict[str, float] = {}
+    for label, intervals in layers:
+        union = _union(intervals, lo, hi)
+        if union:
+            out[label] = out.get(label, 0.0) + _uncovered(union, covered)
+            covered = _union([*covered, *union], lo, hi)
+    return out
 
 
 def _pair_buckets(
@@ -89,6 +138,10 @@ def _pair_buckets(
     return indices, ready_s, allreduce_s
 
 
+def _closed(pairs: Iterable[Any]) -> list[tuple[float, float]]:
+    return [(a, b) for a, b in pairs if b is not None]
+
+
 def anatomy(m: StepMarks, rank: int, wall_anchor: float, timing: str = "host") -> StepRecord:
     """The step record of resolved (float, seconds) marks. Pure.
 
@@ -97,30 +150,42 @@ def anatomy(m: StepMarks, rank: int, wall_anchor: float, timing: str = "host") -
     """
     start, end = m.start, m.end
     step_s = max(0.0, end - start)
-    forward_s = sum(e - s for s, e in zip(m.fwd_start, m.fwd_end, strict=False))
-    backward_s = sum(e - s for s, e in zip(m.bwd_start, m.bwd_end, strict=False))
-    allreduce_wait_s = sum(max(0.0, synced - graph_done) for graph_done, synced in m.sync)
-    optimizer_s = end - m.opt_start if m.opt_start is not None else 0.0
-    if m.data_from_gap:
-        data_wait_s = m.fwd_start[0] - start if m.fwd_start else 0.0
-    else:
-        data_wait_s = m.data_wait_s
-    data_wait_s = min(max(0.0, data_wait_s), step_s)
-    accounted = data_wait_s + forward_s + backward_s + allreduce_wait_s + optimizer_s
-    other_s = max(0.0, step_s - accounted)
+    gap = [(start, m.fwd_start[0])] if m.data_from_gap and m.fwd_start else []
+    sec = carve(
+        [
+            ("allreduce_wait", m.sync),
+            ("collective_wait", m.comm),
+            ("eval", _closed(m.evals)),
+            ("forward", zip(m.fwd_start, m.fwd_end, strict=False)),
+            ("backward", zip(m.bwd_start, m.bwd_end, strict=False)),
+            ("data_wait", m.data),
+            ("optimizer", _closed(m.opt)),
+            ("data_wait", gap),
+        ],
+        start,
+        end,
+    )
+    get = sec.get
+    allreduce_wait_s, collective_wait_s = get("allreduce_wait", 0.0), get("collective_wait", 0.0)
+    eval_s = get("eval", 0.0)
+    accounted = sum(sec.values())
     indices, ready_s, allreduce_s = _pair_buckets(m.ready, m.done, start)
+    comm_wait_s = allreduce_wait_s + collective_wait_s
     return StepRecord(
         rank=rank,
         step=m.step,
         start_time=wall_anchor + m.host_start,
-        data_wait_s=data_wait_s,
-        forward_s=forward_s,
-        backward_s=backward_s,
+        data_wait_s=get("data_wait", 0.0),
+        forward_s=get("forward", 0.0),
+        backward_s=get("backward", 0.0),
         allreduce_wait_s=allreduce_wait_s,
-        optimizer_s=optimizer_s,
-        other_s=other_s,
+        collective_wait_s=collective_wait_s,
+        eval_s=eval_s,
+        optimizer_s=get("optimizer", 0.0),
+        other_s=max(0.0, step_s - accounted),
         step_s=step_s,
-        busy_s=step_s - allreduce_wait_s,
+        busy_s=max(0.0, step_s - comm_wait_s - eval_s),
+        comm_wait_s=comm_wait_s,
         micro_batches=len(m.fwd_start),
         timing=timing,
         bucket_index=indices,
@@ -148,6 +213,9 @@ def resolve_cuda(m: StepMarks, block: bool = False) -> StepMarks | None:
     def sec(ev: Any) -> float:
         return base.elapsed_time(ev) / 1000.0
 
+    def pairs(marks: list[Any]) -> list[Any]:
+        return [(sec(a), sec(b)) for a, b in marks if b is not None]
+
     r = StepMarks(m.step, 0.0, m.host_start, m.data_from_gap)
     r.fwd_start = [sec(e) for e in m.fwd_start]
     r.fwd_end = [sec(e) for e in m.fwd_end]
@@ -155,9 +223,9 @@ def resolve_cuda(m: StepMarks, block: bool = False) -> StepMarks | None:
     r.bwd_end = [sec(e) for e in m.bwd_end]
     r.ready = [(i, sec(e)) for i, e in m.ready]
     r.done = [(i, sec(e)) for i, e in m.done]
-    r.sync = [(sec(a), sec(b)) for a, b in m.sync]
-    r.opt_start = None if m.opt_start is None else sec(m.opt_start)
+    r.sync, r.comm, r.evals, r.opt = pairs(m.sync), pairs(m.comm), pairs(m.evals), pairs(m.opt)
     r.end = sec(m.end)
-    gap = r.fwd_start[0] if r.fwd_start else m.data_wait_s
-    r.data_wait_s = min(m.data_wait_s, max(0.0, gap))
+    if m.data and r.fwd_start:
+        waited = min(sum(b - a for a, b in m.data), max(0.0, r.fwd_start[0]))
+        r.data = [(r.fwd_start[0] - waited, r.fwd_start[0])]
     return r

@@ -72,9 +72,11 @@ def worker_frame(df: pd.DataFrame) -> pd.DataFrame:
     frame["data_wait_s"] = 0.0
     frame["step_s"] = (span["end"] - span["start"]).reindex(frame.index)
     frame["busy_s"] = frame["forward_s"] + frame["backward_s"] + frame["optimizer_s"]
-    # batched sends and receives overlap: communication and waiting are the rest of the span
-    frame["allreduce_wait_s"] = (frame["step_s"] - frame["busy_s"]).clip(lower=0.0)
-    frame["other_s"] = 0.0
+    # batched sends and receives overlap: communication and waiting are the rest of the span, all of
+    # it collectives of every kind (pipeline p2p, data-parallel gathers and reductions), none DDP's
+    frame["comm_wait_s"] = (frame["step_s"] - frame["busy_s"]).clip(lower=0.0)
+    frame["collective_wait_s"] = frame["comm_wait_s"]
+    frame["allreduce_wait_s"] = frame["eval_s"] = frame["other_s"] = 0.0
     return frame.reset_index()
 
 

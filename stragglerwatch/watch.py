@@ -6,12 +6,19 @@ Everything it registered is remembered in the returned :class:`Watch`, whose
 ``close()`` removes it again. The one exception is DDP's communication hook,
 which PyTorch cannot unregister: after ``close()`` it is a pass-through to the
 wrapped hook, at the cost of one attribute check per bucket.
+
+When the model's communication cannot be seen (a wrapper we do not know,
+compiled autograd; or found while training: outputs without a gradient, no
+communication at all), ``attach`` warns once and the reason goes into the
+rank's metadata (``busy_unavailable``), where ``analyze`` and the dashboard
+find it and say so instead of "no straggler".
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -25,8 +32,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .eventlog import EventLogWriter, log_path
 from .exporter import Exporter, RankCollector, RankMetrics
-from .probes import ForwardTimer, StepProbe, TimedIterable, cuda_mark
-from .runinfo import RunInfo, discover, write_meta
+from .probes import StepProbe, TimedIterable, cuda_mark
+from .runinfo import RunInfo, discover, write_meta, write_rank_meta
+from .shadows import time_buffer_sync, time_forward
+from .taps import tap_collectives, tap_scaler
 from .timing import resolve_cuda
 from .watchdog import EventFile, PeerBoard, ShutdownHooks, Watchdog
 
@@ -41,6 +50,26 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+#: Model classes whose communication stragglerwatch does not see yet (by class name: none is imported).
+UNSEEN_WRAPPERS = {
+    "FullyShardedDataParallel": "FSDP (FullyShardedDataParallel): its all-gathers and reduce-scatters are not timed",
+    "FSDPModule": "FSDP2 (fully_shard): its all-gathers and reduce-scatters are not timed",
+    "DeepSpeedEngine": "DeepSpeed: its communication is not timed",
+    "OptimizedModule": "a torch.compile'd module: the communication inside compiled code is not seen",
+}
+
+
+def unseen_communication(model: torch.nn.Module) -> str | None:
+    """Why the model's communication cannot be timed, when that is known at attach time."""
+    for cls in type(model).__mro__:
+        if cls.__name__ in UNSEEN_WRAPPERS:
+            return UNSEEN_WRAPPERS[cls.__name__]
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and getattr(getattr(dynamo, "config", None), "compiled_autograd", False):
+        return "compiled autograd is enabled: the gradient all-reduce wait is not seen"
+    return None
 
 
 def _check_comm_hook_free(model: torch.nn.Module) -> None:
@@ -64,8 +93,10 @@ class Watch:
         watchdog: Watchdog | None = None,
         wall_anchor: float = 0.0,
         exporter: Exporter | None = None,
+        unavailable: Callable[[], list[str]] | None = None,
     ):
         self._exporter = exporter
+        self._unavailable = unavailable
         self.info = info
         self._probe = probe
         self._writer = writer
@@ -92,7 +123,8 @@ class Watch:
 
     def stats(self) -> dict[str, Any]:
         """Counters: steps written/dropped, write errors, watchdog timeouts by phase, whether the
-        rank is stalled now, the wall-clock time the last step ended."""
+        rank is stalled now, the wall-clock time the last step ended, and why busy time cannot be
+        measured (``busy_unavailable``; empty when it can)."""
         w, wd, p = self._writer, self._watchdog, self._probe
         last = p.last_step_end if p is not None else None
         return {
@@ -104,6 +136,7 @@ class Watch:
             "watchdog_timeouts": dict(wd.timeouts_by_phase) if wd else {},
             "stalled": bool(wd and wd.stalled),
             "last_step_timestamp": None if last is None else self._wall_anchor + last,
+            "busy_unavailable": self._unavailable() if self._unavailable else [],
         }
 
     def wrap(self, iterable: Iterable[Any]) -> Iterable[Any]:
@@ -125,6 +158,7 @@ class Watch:
         self._closed = True
         if self._probe is not None:
             self._probe.enabled = False
+            self._probe.finish_pending()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -152,7 +186,12 @@ class Watch:
 
 
 def _start_exporter(
-    info: RunInfo, writer: EventLogWriter, watchdog: Watchdog | None, port: int | None, addr: str | None
+    info: RunInfo,
+    writer: EventLogWriter,
+    watchdog: Watchdog | None,
+    port: int | None,
+    addr: str | None,
+    unavailable: Callable[[], list[str]],
 ) -> Exporter | None:
     env_port = os.environ.get("STRAGGLERWATCH_PROMETHEUS_PORT", "").strip()
     if port is None and env_port:
@@ -164,7 +203,7 @@ def _start_exporter(
         return None
     metrics = RankMetrics()
     writer.observers.append(metrics.observe)
-    collector = RankCollector(metrics, info, watchdog, errors=lambda: writer.write_errors)
+    collector = RankCollector(metrics, info, watchdog, errors=lambda: writer.write_errors, unavailable=unavailable)
     sd_dir = os.environ.get("STRAGGLERWATCH_SD_DIR") or None
     return Exporter(
         collector,
@@ -172,6 +211,28 @@ def _start_exporter(
         addr or os.environ.get("STRAGGLERWATCH_PROMETHEUS_ADDR") or "0.0.0.0",
         Path(sd_dir) if sd_dir else None,
     )
+
+
+class _UnavailableNotes:
+    """Writes the reasons the probe found during training into the rank's metadata (log thread)."""
+
+    def __init__(self, info: RunInfo, rank_meta: dict[str, Any], probe: StepProbe):
+        self.info, self.rank_meta, self.probe = info, rank_meta, probe
+        self.written = 0  # of the probe's reasons
+
+    def __call__(self, records: list[Any]) -> None:
+        reasons = list(self.probe.unavailable.values())
+        if len(reasons) == self.written:
+            return
+        self.written = len(reasons)
+        known = self.rank_meta.setdefault("busy_unavailable", [])
+        known += [r for r in reasons if r not in known]
+        write_rank_meta(self.info, self.rank_meta)
+
+    def reasons(self) -> list[str]:
+        """Every reason known now (attach time and training), for the exporter."""
+        known = list(self.rank_meta.get("busy_unavailable", []))
+        return known + [r for r in self.probe.unavailable.values() if r not in known]
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
@@ -198,8 +259,9 @@ def attach(
     in one process) into ``run_dir`` (default ``$STRAGGLERWATCH_RUN_DIR`` or
     ``./stragglerwatch-runs/<run id>``), without changing the training loop.
 
-    ``optimizer``: whose ``step()`` ends a training step; by default the first
-    optimizer seen stepping. ``bucket_timings``: also record each gradient
+    ``optimizer``: whose ``step()`` ends a training step; by default the last
+    optimizer to step in an iteration, learned from the first one (every
+    optimizer's ``step()`` is timed as optimizer either way). ``bucket_timings``: also record each gradient
     bucket's ready time and all-reduce duration, through a DDP communication
     hook that wraps the all-reduce (costs host time per bucket; see the README).
     ``comm_hook``: ``(state, hook)`` of your own DDP communication hook, to be
@@ -232,8 +294,13 @@ def attach(
         "ddp": is_ddp,
         "bucket_timings": bucket_timings,
     }
+    rank_meta: dict[str, Any] = {"device": str(_model_device(model)), "timing": timing, "role": role}
+    unseen = unseen_communication(model)
+    if unseen is not None:
+        rank_meta["busy_unavailable"] = [unseen]
+        warnings.warn(f"stragglerwatch: busy time unavailable: {unseen}", stacklevel=2)
     try:
-        write_meta(info, config, {"device": str(_model_device(model)), "timing": timing, "role": role})
+        write_meta(info, config, rank_meta)
         path = log_path(info.run_dir, info.rank)
     except OSError as exc:
         warnings.warn(f"stragglerwatch: cannot write run dir {info.run_dir} ({exc}); not recording", stacklevel=2)
@@ -248,14 +315,21 @@ def attach(
         flush_interval_s=flush_interval_s,
     )
     syncing = (lambda: model.require_backward_grad_sync) if is_ddp else None
-    probe = StepProbe(writer.submit, cuda_mark if on_gpu else None, syncing)
-    handles: list[Any] = [ForwardTimer(model, probe)]
-    if optimizer is not None:
-        handles.append(optimizer.register_step_pre_hook(probe.on_optimizer_pre))
-        handles.append(optimizer.register_step_post_hook(probe.on_optimizer_post))
-    else:
-        handles.append(register_optimizer_step_pre_hook(probe.on_optimizer_pre))
-        handles.append(register_optimizer_step_post_hook(probe.on_optimizer_post))
+    probe = StepProbe(
+        writer.submit,
+        cuda_mark if on_gpu else None,
+        syncing,
+        ender=id(optimizer) if optimizer is not None else None,
+        expect_comm=info.world_size > 1 and not is_ddp and unseen is None,
+        on_unavailable=lambda reason: warnings.warn(f"stragglerwatch: busy time unavailable: {reason}", stacklevel=4),
+    )
+    handles: list[Any] = time_forward(model, probe)
+    if is_ddp:
+        handles.append(time_buffer_sync(model, probe))
+    handles.append(register_optimizer_step_pre_hook(probe.on_optimizer_pre))
+    handles.append(register_optimizer_step_post_hook(probe.on_optimizer_post))
+    handles += [tap_collectives(probe), tap_scaler(probe)]
+    handles = [h for h in handles if h is not None]
     watchdog = None
     if watchdog_timeout_s is None or watchdog_timeout_s > 0:
         board = PeerBoard(info.run_id, info.rank, info.world_size) if info.world_size > 1 else None
@@ -269,8 +343,10 @@ def attach(
             wall_anchor=wall_anchor,
             flush=lambda: writer.flush(lock_timeout_s=1.0),
         )
-    exporter = _start_exporter(info, writer, watchdog, prometheus_port, prometheus_addr)
-    watch = Watch(info, probe, writer, handles, watchdog, wall_anchor, exporter)
+    notes = _UnavailableNotes(info, rank_meta, probe)
+    writer.observers.append(notes)
+    exporter = _start_exporter(info, writer, watchdog, prometheus_port, prometheus_addr, notes.reasons)
+    watch = Watch(info, probe, writer, handles, watchdog, wall_anchor, exporter, notes.reasons)
     if bucket_timings:
         state, inner = comm_hook if comm_hook is not None else (model.process_group, None)
         try:

@@ -19,7 +19,8 @@ def fake_step(step: int, t0: float, busy: float = 0.01, wait: float = 0.005) -> 
     m.bwd_start, m.bwd_end = [t0 + 0.004], [t0 + busy - 0.002]
     m.ready, m.done = [(0, t0 + busy - 0.002)], [(0, t0 + busy - 0.002 + wait)]
     m.sync = [(t0 + busy - 0.002, t0 + busy - 0.002 + wait)]
-    m.opt_start, m.end = t0 + busy - 0.001 + wait, t0 + busy + wait
+    m.end = t0 + busy + wait
+    m.opt = [[t0 + busy - 0.001 + wait, m.end]]
     return m
 
 

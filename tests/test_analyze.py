@@ -120,3 +120,28 @@ def test_empty_and_unreadable_runs(make_run, capsys: pytest.CaptureFixture[str])
         str(run / "rank-00001.parquet"),
     ]
     assert all(line.startswith("stragglerwatch: warning:") for line in err[:2]) and "empty run" in err[-1]
+
+
+def test_schema_1_0_logs_stay_readable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run written before comm_wait_s existed (tests/data/schema-1.0-run), as Parquet and as an Arrow stream."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import stragglerwatch
+
+    old = Path(__file__).parent / "data" / "schema-1.0-run"
+    assert pq.read_schema(old / "rank-00000.parquet").metadata[b"stragglerwatch.schema_version"] == b"1.0"
+    run = tmp_path / "run"
+    shutil.copytree(old, run)
+    table = pq.read_table(run / "rank-00001.parquet")  # rank 1 as a crashed rank leaves it: a stream
+    with pa.OSFile(str(run / "rank-00001.arrows"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+    (run / "rank-00001.parquet").unlink()
+    df = stragglerwatch.load_run(run)
+    assert len(df) == 80 and (df["comm_wait_s"] == df["allreduce_wait_s"]).all()
+    assert (df["collective_wait_s"] == 0).all() and (df["eval_s"] == 0).all()
+    report = analyze_json(run, capsys)
+    assert [(s["rank"], s["cause"]) for s in report["stragglers"]] == [(1, "compute")]
+    assert report["busy_unavailable"] == []

@@ -167,3 +167,26 @@ def test_demo_command(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     assert "demo: dashboard http://127.0.0.1:" in out.stdout
     assert "rank 2 is" in out.stdout and "cause: compute" in out.stdout
+
+
+def test_banner_says_busy_time_unavailable(make_run) -> None:
+    """A rank that could not see its communication: the banner says so instead of naming a straggler."""
+    import json
+
+    from stragglerwatch.analysis import analyze_run
+    from stragglerwatch.dashboard.app import CAUTION_STYLE, banner
+    from stragglerwatch.simulate import Injection, SimConfig, write_run
+
+    run = make_run(1).parent / "sim"
+    write_run(run, SimConfig(ranks=8, steps=200, injections=[Injection(3, 0.3, 50)]))
+    assert [s["rank"] for s in analyze_run(run).report["stragglers"]] == [3]
+    meta_path = run / "rank-00005.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "busy_unavailable": ["FSDP2 (fully_shard): not timed"]}))
+    snap = Snapshot(analyze_run(run))
+    children, style = banner(snap, "sim")
+    text = " ".join(str(c.children) for c in children)
+    assert "busy time unavailable: FSDP2 (fully_shard): not timed (rank 5)" in text and "rank 3 is" not in text
+    assert style == CAUTION_STYLE
+    out = render(snap, None)
+    assert all(r["flagged"] == "" for r in out["rows"])

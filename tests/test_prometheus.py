@@ -66,7 +66,8 @@ def test_exporter_series_labels_sd_file_and_port_in_use(tmp_path: Path) -> None:
     steps = families["stragglerwatch_steps"].samples[0]
     assert steps.name == "stragglerwatch_steps_total" and steps.value == 12
     phases = {s.labels["phase"] for s in families["stragglerwatch_phase_seconds"].samples}
-    assert phases == {"data_wait", "forward", "backward", "allreduce_wait", "optimizer", "other"}
+    assert phases == {"data_wait", "forward", "backward", "allreduce_wait", "collective_wait", "eval", "optimizer",
+                      "other"}  # fmt: skip
     info = (families.get("stragglerwatch_rank") or families["stragglerwatch_rank_info"]).samples[0]
     assert info.labels["local_rank"] == "0" and info.labels["host"] == socket.gethostname()
     (sd,) = run.glob("stragglerwatch-*.json")

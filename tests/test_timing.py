@@ -7,13 +7,17 @@ import math
 import pytest
 
 from stragglerwatch.schema import PHASE_COLUMNS, StepRecord, records_to_batch
-from stragglerwatch.timing import StepMarks, anatomy
+from stragglerwatch.timing import StepMarks, anatomy, carve
 
 
 def marks(**kw: object) -> StepMarks:
+    """Marks of step 3 starting at 10.0; ``opt_start`` opens the one optimizer step, which ends with the step."""
     m = StepMarks(step=kw.pop("step", 3), start=10.0, host_start=10.0, data_from_gap=kw.pop("gap", True))
+    opt_start = kw.pop("opt_start", None)
     for k, v in kw.items():
         setattr(m, k, v)
+    if opt_start is not None:
+        m.opt = [[opt_start, m.end]]
     return m
 
 
@@ -46,6 +50,7 @@ def test_ddp_step_partitions_exactly() -> None:
     assert r.other_s == pytest.approx(0.002)  # loss 1 ms + finalize 1 ms
     assert phase_sum(r) == pytest.approx(r.step_s)
     assert r.busy_s == pytest.approx(r.step_s - r.allreduce_wait_s)
+    assert r.comm_wait_s == r.allreduce_wait_s and r.collective_wait_s == 0.0 and r.eval_s == 0.0
     assert r.bucket_index == [0, 1]
     assert r.bucket_ready_s == pytest.approx([0.030, 0.035])
     assert r.bucket_allreduce_s == pytest.approx([0.010, 0.015])
@@ -68,7 +73,7 @@ def test_overlapped_allreduce_is_no_wait() -> None:
 
 
 def test_wrapped_loader_time_replaces_gap() -> None:
-    m = marks(gap=False, data_wait_s=0.003, fwd_start=[10.008], fwd_end=[10.01], opt_start=10.02, end=10.02)
+    m = marks(gap=False, data=[(10.005, 10.008)], fwd_start=[10.008], fwd_end=[10.01], opt_start=10.02, end=10.02)
     r = anatomy(m, 0, 0.0)
     assert r.data_wait_s == pytest.approx(0.003)
     assert r.other_s == pytest.approx(0.02 - 0.003 - 0.002)
@@ -125,3 +130,71 @@ def test_records_to_batch_roundtrip() -> None:
     assert batch.column("rank").to_pylist() == [0, 1]
     assert batch.column("bucket_index").to_pylist() == [[], []]
     assert records_to_batch([]).num_rows == 0
+
+
+def test_collectives_are_carved_out_of_the_phase_they_sit_in() -> None:
+    # forward 10.000-10.030 holds DDP's buffer broadcast 10.001-10.021; backward 10.030-10.060 holds a
+    # SyncBatchNorm all-reduce 10.040-10.050; the loop all-reduces its loss 10.075-10.085 after the optimizer
+    m = marks(
+        fwd_start=[10.0],
+        fwd_end=[10.030],
+        bwd_start=[10.030],
+        bwd_end=[10.060],
+        sync=[(10.060, 10.065)],
+        comm=[(10.001, 10.021), (10.040, 10.050), (10.075, 10.085)],
+        opt=[[10.066, 10.070]],
+        end=10.090,
+    )
+    r = anatomy(m, 0, 0.0)
+    assert r.forward_s == pytest.approx(0.010) and r.backward_s == pytest.approx(0.020)
+    assert r.allreduce_wait_s == pytest.approx(0.005) and r.collective_wait_s == pytest.approx(0.040)
+    assert r.comm_wait_s == pytest.approx(0.045) and r.optimizer_s == pytest.approx(0.004)
+    assert r.other_s == pytest.approx(0.001 + 0.005 + 0.005)
+    assert r.busy_s == pytest.approx(r.step_s - 0.045) and phase_sum(r) == pytest.approx(r.step_s)
+
+
+def test_barrier_and_evaluation_in_the_gap_are_not_data() -> None:
+    # no wrapped loader: the gap 10.000-10.100 before the first training forward holds an evaluation
+    # pass 10.005-10.060 and a barrier 10.065-10.090; the rest of the gap is data
+    m = marks(evals=[[10.005, 10.060]], comm=[(10.065, 10.090)], fwd_start=[10.1], fwd_end=[10.11], end=10.12)
+    r = anatomy(m, 0, 0.0)
+    assert r.eval_s == pytest.approx(0.055) and r.collective_wait_s == pytest.approx(0.025)
+    assert r.data_wait_s == pytest.approx(0.1 - 0.055 - 0.025)
+    assert r.busy_s == pytest.approx(r.step_s - 0.055 - 0.025) and phase_sum(r) == pytest.approx(r.step_s)
+
+
+def test_closure_forward_backward_inside_the_optimizer_and_several_optimizers() -> None:
+    # optimizer.step(closure) 10.010-10.050 runs forward 10.012-10.020 and backward 10.020-10.040;
+    # a second optimizer steps 10.050-10.058; an unfinished evaluation (end None) is ignored
+    m = marks(
+        fwd_start=[10.012],
+        fwd_end=[10.020],
+        bwd_start=[10.020],
+        bwd_end=[10.040],
+        opt=[[10.010, 10.050], [10.050, 10.058]],
+        evals=[[10.059, None]],
+        end=10.060,
+    )
+    r = anatomy(m, 0, 0.0)
+    assert r.forward_s == pytest.approx(0.008) and r.backward_s == pytest.approx(0.020)
+    assert r.optimizer_s == pytest.approx(0.040 - 0.028 + 0.008)
+    assert r.data_wait_s == pytest.approx(0.010), "the gap ends where the optimizer (holding the forward) began"
+    assert r.eval_s == 0.0 and phase_sum(r) == pytest.approx(r.step_s)
+
+
+def test_carve_gives_each_instant_to_the_first_layer() -> None:
+    sec = carve([("a", [(0, 2), (1, 3)]), ("b", [(2, 5), (4, 6)]), ("c", [(-1, 10)])], 0.0, 8.0)
+    assert sec == pytest.approx({"a": 3.0, "b": 3.0, "c": 2.0})
+    assert carve([("a", [(5, 4)])], 0.0, 1.0) == {}
+
+
+def test_split_moves_the_marks_after_the_cut_into_the_next_step() -> None:
+    m = marks(fwd_start=[10.0], fwd_end=[10.01], opt=[[10.02, 10.03]])
+    cut = m.lengths()
+    m.fwd_start.append(10.05)
+    m.fwd_end.append(10.06)
+    m.comm.append((10.04, 10.045))
+    tail = m.split(cut, 10.03, 10.03)
+    assert (m.end, m.fwd_start, m.comm) == (10.03, [10.0], [])
+    assert (tail.step, tail.start, tail.fwd_start, tail.fwd_end) == (4, 10.03, [10.05], [10.06])
+    assert tail.comm == [(10.04, 10.045)]

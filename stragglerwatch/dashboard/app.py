@@ -30,12 +30,14 @@ SEEN = "sw-seen"
 
 TABLE_COLUMNS = [
     ("rank", "rank"), ("host", "host"), ("steps", "steps"), ("step_ms", "step ms"), ("busy_ms", "busy ms"),
-    ("data_wait_ms", "data"), ("forward_ms", "fwd"), ("backward_ms", "bwd"), ("allreduce_wait_ms", "ar wait"),
-    ("optimizer_ms", "opt"), ("other_ms", "other"), ("slowdown", "vs peers"), ("flagged", "flagged"),
+    ("data_wait_ms", "data"), ("forward_ms", "fwd"), ("backward_ms", "bwd"), ("comm_wait_ms", "comm"),
+    ("eval_ms", "eval"), ("optimizer_ms", "opt"), ("other_ms", "other"), ("slowdown", "vs peers"),
+    ("flagged", "flagged"),
 ]  # fmt: skip
 OK_STYLE = {"background": "#eef7ee", "borderLeft": "6px solid #2ca02c", "padding": "8px 14px"}
 ALERT_STYLE = {"background": "#fdecea", "borderLeft": "6px solid #d62728", "padding": "8px 14px"}
 WAIT_STYLE = {"background": "#f3f3f3", "borderLeft": "6px solid #999", "padding": "8px 14px"}
+CAUTION_STYLE = {"background": "#fff4e5", "borderLeft": "6px solid #ff7f0e", "padding": "8px 14px"}
 
 
 def default_rank(snapshot: Snapshot) -> int | None:
@@ -58,7 +60,9 @@ def banner(snapshot: Snapshot, source_label: str) -> tuple[list[Any], dict[str, 
     children: list[Any] = [html.Div(line) for line in lines]
     if snapshot.error:
         children.append(html.Div(f"Last refresh failed (showing earlier data): {snapshot.error}"))
-    return children, ALERT_STYLE if alert else OK_STYLE
+    if alert:
+        return children, ALERT_STYLE
+    return children, CAUTION_STYLE if report.get("busy_unavailable") else OK_STYLE
 
 
 def render(snapshot: Snapshot, rank: int | None) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 from ..analysis import Analysis, analyze_run, build_report, empty_analysis
 from ..detect import detect, to_matrix
 from ..eventlog import RunDirError, RunDirWarning
-from ..promsource import frame_from_prometheus
+from ..promsource import frame_from_prometheus, unavailable_from_prometheus
 from ..watchdog import read_events
 
 
@@ -131,5 +131,6 @@ class PrometheusSource(_Source):
             return empty_analysis(), [], True
         mat = to_matrix(frame)
         verdict = detect(mat)
-        report = build_report(mat, verdict, {"run_id": self.run, "world_size": len(mat.ranks)}, {})
+        rank_meta = unavailable_from_prometheus(self.url, self.run)
+        report = build_report(mat, verdict, {"run_id": self.run, "world_size": len(mat.ranks)}, rank_meta)
         return Analysis(report, mat, verdict), [], True

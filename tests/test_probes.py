@@ -1,0 +1,208 @@
+"""The probes in one process: output walking, the taps, step boundaries, and what cannot be seen.
+
+A one-rank gloo process group is real DDP (buffer broadcast, Work.wait) without a second process."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import socket
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils import _pytree
+
+import stragglerwatch
+from stragglerwatch.cli import main as cli
+from stragglerwatch.probes import _grad_tensors
+from stragglerwatch.schema import PHASE_COLUMNS
+from stragglerwatch.taps import scaler_class, tap_collectives, tap_scaler, work_class
+from stragglerwatch.watch import UNSEEN_WRAPPERS
+
+
+@pytest.fixture
+def one_rank_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def partitions(df) -> bool:
+    return bool((df[list(PHASE_COLUMNS)].sum(axis=1) - df["step_s"]).abs().max() < 1e-9)
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    extras: dict
+
+
+class Pair:
+    def __init__(self, a: torch.Tensor, b: torch.Tensor):
+        self.a, self.b = a, b
+
+
+_pytree.register_pytree_node(Pair, lambda p: ([p.a, p.b], None), lambda xs, _: Pair(*xs))
+
+
+def test_grad_tensors_found_through_nested_containers_and_dataclasses() -> None:
+    x = torch.ones(2, requires_grad=True)
+    a, b, c, d = (x * k for k in range(1, 5))
+    nt = collections.namedtuple("NT", "loss aux")(a, 3)
+    found = _grad_tensors(Out(logits=b, extras={"nested": [nt, (c, "text", None)], "pair": Pair(d, torch.ones(1))}))
+    assert {id(t) for t in found} == {id(a), id(b), id(c), id(d)}
+    assert _grad_tensors({"a": a, "again": [a]}) == [a], "each tensor once"
+    assert _grad_tensors((torch.ones(1), 1.0, "s")) == [], "nothing needs a gradient"
+    assert len(_grad_tensors([x * 1 for _ in range(100)], most=8)) == 8
+
+
+def test_taps_are_installed_once_and_restored() -> None:
+    work, scaler = work_class(), scaler_class()
+    original_wait, original_step = work.__dict__["wait"], scaler.__dict__["step"]
+
+    class Broken:
+        def comm_begin(self):
+            raise RuntimeError("a bug of ours")
+
+        def comm_end(self, token):
+            raise RuntimeError("a bug of ours")
+
+    first, second = tap_collectives(Broken()), tap_collectives(Broken())
+    assert work.__dict__["wait"] is not original_wait and work.__dict__["wait"].__wrapped__ is original_wait
+    first.remove()
+    assert work.__dict__["wait"] is not original_wait, "still one listener"
+    second.remove()
+    second.remove()  # idempotent
+    assert work.__dict__["wait"] is original_wait
+    tap = tap_scaler(Broken())
+    tap.remove()
+    assert scaler.__dict__["step"] is original_step
+
+
+def test_one_rank_ddp_collectives_eval_optimizers_and_scaler_skip(one_rank_group, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4)))
+    params = list(model.parameters())
+    opts = [torch.optim.SGD(params[:2], lr=0.01), torch.optim.Adam(params[2:], lr=1e-3)]
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    work_wait = work_class().__dict__["wait"]
+    watch = stragglerwatch.attach(model, tmp_path / "run", watchdog_timeout_s=0)
+    for step in range(8):
+        loss = model(torch.randn(8, 16)).pow(2).mean()
+        scaler.scale(loss * (float("inf") if step == 4 else 1.0)).backward()
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+        for opt in opts:
+            opt.zero_grad()
+        logged = loss.detach().clone()
+        dist.all_reduce(logged)  # the loop's own collectives
+        dist.barrier()
+        if step == 5:
+            model.eval()
+            with torch.no_grad():
+                for _ in range(3):
+                    model.module(torch.randn(8, 16))  # bypassing DDP, as one-rank evaluation does
+            model.train()
+    watch.close()
+    assert work_class().__dict__["wait"] is work_wait, "close() removes the tap"
+    df = stragglerwatch.load_run(tmp_path / "run")
+    assert df["step"].tolist() == list(range(8)) and partitions(df) and (df["micro_batches"] == 1).all()
+    assert (df["collective_wait_s"] > 0).all(), "buffer broadcast, loss all-reduce, barrier"
+    assert df.loc[df["step"] == 4, "optimizer_s"].item() < df.loc[df["step"] != 4, "optimizer_s"].min()
+    assert df.loc[df["step"] == 6, "eval_s"].item() > 0 and (df.loc[df["step"] != 6, "eval_s"] == 0).all()
+    meta = json.loads((tmp_path / "run" / "rank-00000.json").read_text())
+    assert "busy_unavailable" not in meta
+
+
+def test_optimizer_given_ends_the_step_and_a_pending_step_is_kept_at_close(tmp_path: Path) -> None:
+    model = nn.Linear(8, 2)
+    first, second = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    second.register_step_pre_hook(lambda *_: time.sleep(0.01))
+    with stragglerwatch.attach(model, tmp_path / "given", optimizer=first, watchdog_timeout_s=0):
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            first.step()
+            second.step()  # after the step's end: the next step's optimizer time, not its data wait
+    df = stragglerwatch.load_run(tmp_path / "given")
+    assert df["step"].tolist() == [0, 1, 2]
+    assert (df["optimizer_s"].iloc[1:] >= 0.01).all() and (df["data_wait_s"] < 0.005).all()
+    with stragglerwatch.attach(model, tmp_path / "one", watchdog_timeout_s=0):  # the end is learned: one step only
+        model(torch.randn(4, 8)).sum().backward()
+        first.step()
+    assert stragglerwatch.load_run(tmp_path / "one")["step"].tolist() == [0]
+
+
+def analyze_json(run: Path, capsys: pytest.CaptureFixture[str]) -> dict:
+    assert cli(["analyze", str(run), "--format", "json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_compiled_module_is_busy_unavailable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    compiled = torch.compile(nn.Linear(8, 2))  # an OptimizedModule; never called, so nothing compiles
+    with pytest.warns(UserWarning, match="busy time unavailable: a torch.compile'd module"):
+        watch = stragglerwatch.attach(compiled, tmp_path / "run", watchdog_timeout_s=0)
+    assert watch.stats()["busy_unavailable"] == [UNSEEN_WRAPPERS["OptimizedModule"]]
+    watch.close()
+    meta = json.loads((tmp_path / "run" / "rank-00000.json").read_text())
+    assert meta["busy_unavailable"] == ["a torch.compile'd module: the communication inside compiled code is not seen"]
+
+
+def test_unseen_communication_in_a_multi_rank_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plain module in a job of two ranks (rank 1 simulated by its absence): no collective is ever seen."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with stragglerwatch.attach(model, tmp_path / "run", watchdog_timeout_s=0):
+            for _ in range(12):
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+    assert sum("no collective was seen in 10 steps" in str(w.message) for w in caught) == 1, "warned once"
+    r = analyze_json(tmp_path / "run", capsys)
+    assert r["stragglers"] == [] and r["job_slowdown"] is None
+    (unavailable,) = r["busy_unavailable"]
+    assert unavailable["ranks"] == [0] and "not DistributedDataParallel" in unavailable["reason"]
+    assert cli(["analyze", str(tmp_path / "run")]) == 0
+    text = capsys.readouterr().out
+    assert "busy time unavailable: a multi-rank job" in text and "no consistently slow rank" not in text
+
+
+def test_ddp_output_without_gradient_is_busy_unavailable(one_rank_group, tmp_path: Path) -> None:
+    class Detached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 2)
+            self.loss: torch.Tensor | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.lin(x)
+            self.loss = out.pow(2).mean()  # the loss leaves through an attribute
+            return out.detach()
+
+    model = DDP(Detached())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    warns = pytest.warns(UserWarning, match="no tensor of the model's output needs a gradient")
+    with warns, stragglerwatch.attach(model, tmp_path / "run", watchdog_timeout_s=0):
+        for _ in range(3):
+            model(torch.randn(4, 8))
+            model.module.loss.backward()
+            opt.step()
+    meta = json.loads((tmp_path / "run" / "rank-00000.json").read_text())
+    assert any("no tensor of the model's output needs a gradient" in r for r in meta["busy_unavailable"])
