@@ -1,12 +1,22 @@
 """Hang diagnosis: pure functions over ranks' published progress and recorded events.
 
 Design (DESIGN.md, "Hangs and timeouts"): when a rank stalls, every rank that can
-publishes ``(step, phase, since)``. In a hang caused by one rank, the others wait in
-the all-reduce of the latest step: they are *victims*. A *culprit* is a rank stuck
-outside a collective, or at an earlier step, or one that published nothing (dead,
-or stuck in native code holding the GIL). The same rule serves the live watchdog
-(on the states read from the store) and the post-hoc analyzer (on the states the
-ranks' events recorded), so both name the same ranks.
+publishes ``(step, phase, since)`` and ``collectives``: for each process group, how
+many collectives it has *issued* (the group's own sequence number, which counts
+DDP's C++ all-reduces and broadcasts too). A collective completes only when every
+member has issued it, so a rank that issued more in a group than another member
+is waiting for it: that is a wait-for edge. The *culprits* are the ranks that others
+wait for and that wait for nobody (or, in a cycle of waits, the ranks of the cycle),
+plus ranks that published nothing (dead, or stuck in native code holding the GIL);
+everybody else is a *victim*. This holds on NCCL too, where the host does not block
+in the collective and victims stop later, at a host sync, in whatever phase that is.
+
+Where the counts cannot decide (no rank is behind in any group, or a rank did not
+report them), the phase does, as on a host-blocking backend: ranks waiting in a
+collective (``allreduce_wait``, ``collective_wait``) at the latest step are victims,
+a rank stuck elsewhere or at an earlier step is a culprit. The same rules serve the
+live watchdog (on the states read from the store) and the post-hoc analyzer (on the
+states the ranks' events recorded), so both name the same ranks.
 """
 
 from __future__ import annotations
@@ -14,27 +24,74 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-WAITING = "allreduce_wait"
+WAITING = ("allreduce_wait", "collective_wait")
 TERMINAL = ("sigterm", "exception", "closed")
 
 
+def waits_for(states: dict[int, dict[str, Any]]) -> dict[int, set[int]]:
+    """For each rank, the ranks it waits for: members of a group that issued fewer collectives."""
+    groups: dict[str, dict[int, int]] = {}
+    for rank, state in states.items():
+        for group, count in (state.get("collectives") or {}).items():
+            groups.setdefault(str(group), {})[rank] = int(count)
+    edges: dict[int, set[int]] = {r: set() for r in states}
+    for counts in groups.values():
+        for r, c in counts.items():
+            edges[r].update(s for s, d in counts.items() if d < c)
+    return edges
+
+
+def _reachable_cycle(edges: dict[int, set[int]], blamed: set[int]) -> set[int]:
+    """Ranks on a cycle of waits (A waits for B in one group, B for A in another)."""
+    on_cycle = set()
+    for start in blamed:
+        seen, todo = set(), list(edges.get(start, ()))
+        while todo:
+            r = todo.pop()
+            if r == start:
+                on_cycle.add(start)
+                break
+            if r not in seen:
+                seen.add(r)
+                todo.extend(edges.get(r, ()))
+    return on_cycle
+
+
 def classify(states: dict[int, dict[str, Any] | None], world_size: int) -> dict[str, Any]:
-    """Culprits, victims and silent ranks from each rank's ``{"step", "phase"}`` (None: nothing heard)."""
+    """Culprits, victims and silent ranks from each rank's ``{"step", "phase", "collectives"}``
+    (None: nothing heard); ``basis`` says whether collective counts or phases decided."""
     alive = {r: s for r, s in states.items() if s is not None and 0 <= r < world_size}
     silent = sorted(set(range(world_size)) - set(alive))
     if not alive:
-        return {"culprit_ranks": silent, "victim_ranks": [], "silent_ranks": silent, "step": None, "phase": None}
-    latest = max(int(s["step"]) for s in alive.values())
-    stuck = sorted(r for r, s in alive.items() if s.get("phase") != WAITING or int(s["step"]) < latest)
+        return {"culprit_ranks": silent, "victim_ranks": [], "silent_ranks": silent, "step": None, "phase": None,
+                "basis": "silence"}  # fmt: skip
+    counted = all(s.get("collectives") for s in alive.values())
+    edges = waits_for(alive) if counted else {}
+    blamed = set().union(*edges.values()) if edges else set()
+    if blamed:
+        waiting = {r for r, e in edges.items() if e}
+        stuck = sorted((blamed - waiting) or _reachable_cycle(edges, blamed) or blamed)
+        basis = "collective counts"
+    elif counted and silent:  # every rank that spoke issued the same collectives: they wait for the silent
+        stuck, basis = [], "collective counts"
+    else:
+        latest = max(int(s["step"]) for s in alive.values())
+        stuck = sorted(r for r, s in alive.items() if s.get("phase") not in WAITING or int(s["step"]) < latest)
+        basis = "phases"
     culprits = sorted(set(stuck) | set(silent))
     victims = sorted(r for r in alive if r not in culprits)
     first = next((alive[r] for r in stuck), None)
+    latest_state = max(alive.values(), key=lambda s: int(s["step"]))
+    # behind, yet itself blocked in a collective: a collective the others never issue (mismatch)?
+    mismatch = basis == "collective counts" and bool(stuck) and all(alive[r].get("phase") in WAITING for r in stuck)
     return {
         "culprit_ranks": culprits,
         "victim_ranks": victims,
         "silent_ranks": silent,
-        "step": int(first["step"]) if first else latest,
-        "phase": first.get("phase") if first else (WAITING if victims else None),
+        "step": int(first["step"]) if first else int(latest_state["step"]),
+        "phase": first.get("phase") if first else (latest_state.get("phase") if victims else None),
+        "basis": basis,
+        "mismatch_suspected": mismatch,
     }
 
 
@@ -64,7 +121,8 @@ def hangs_from_events(
                 if state is not None:
                     states[int(rank)] = state
             if ev.get("kind") == "stall":  # what the rank itself was doing when it noticed
-                states[int(ev["rank"])] = {"step": ev["step"], "phase": ev["phase"]}
+                states[int(ev["rank"])] = {"step": ev["step"], "phase": ev["phase"],
+                                           "collectives": ev.get("collectives")}  # fmt: skip
         heard_all = any(e.get("kind") == "diagnosis" and e.get("evidence") == "store" for e in group)
         # with only local evidence, a rank that recorded nothing is not known to be silent
         verdict = classify(states, world_size) if heard_all else local_verdict(states, world_size)
@@ -91,8 +149,9 @@ def hangs_from_events(
 
 
 def local_verdict(states: dict[int, dict[str, Any] | None], world_size: int) -> dict[str, Any]:
-    """Without the peers' word: ranks that say they are stuck outside a collective are culprits."""
-    heard = {r: s for r, s in states.items() if s is not None}
+    """Without the peers' word: ranks that say they are stuck outside a collective are culprits
+    (one rank's counts alone cannot show who is behind)."""
+    heard = {r: {k: v for k, v in s.items() if k != "collectives"} for r, s in states.items() if s is not None}
     verdict = classify(heard, world_size)
     verdict["culprit_ranks"] = [r for r in verdict["culprit_ranks"] if r in heard]
     verdict["silent_ranks"] = []

@@ -9,8 +9,10 @@ an event with the phase, the time waited and the Python stacks of all threads is
 appended to ``events-NNNNN.jsonl`` and flushed at once. Then it publishes this
 rank's progress under a key of the c10d store that the process group already uses
 (its own client connection with a short timeout, so a dead store costs seconds,
-never a hang), waits a grace period for the others to do the same, reads them and
-writes a ``diagnosis`` event (``hangs.classify``: culprits, victims, silent ranks).
+never a hang), with the number of collectives it has issued in each process group
+(the groups' own sequence numbers, read here, not counted on the training thread),
+waits a grace period for the others to do the same, reads them and writes a
+``diagnosis`` event (``hangs.classify``: culprits, victims, silent ranks).
 When progress resumes, a ``recovery`` event follows. Every failure of ours is
 swallowed and counted: the watchdog never harms training.
 
@@ -49,6 +51,28 @@ def thread_stacks(limit: int = 40) -> dict[str, str]:
     for ident, frame in sys._current_frames().items():
         out[f"{names.get(ident, 'thread')} ({ident})"] = "".join(traceback.format_stack(frame, limit=limit))
     return out
+
+
+def collective_counts() -> dict[str, int]:
+    """Collectives issued so far in each process group of this process, by group name.
+
+    The groups' own sequence numbers (c10d counts every collective at issue, DDP's
+    C++ ones included); read off the training thread, at stall time only."""
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return {}
+        c10d = dist.distributed_c10d
+        out = {}
+        for pg in list(c10d._world.pg_map):
+            try:
+                out[str(c10d._get_process_group_name(pg))] = int(pg._get_sequence_number_for_group())
+            except Exception:
+                continue
+        return out
+    except Exception:
+        return {}
 
 
 class EventFile:
@@ -262,11 +286,12 @@ class Watchdog:
         self.stalled = True
         self.timeouts_by_phase[phase] = self.timeouts_by_phase.get(phase, 0) + 1
         ev = self._event("stall", id=stall_id, waited_s=round(now - since, 3), threshold_s=round(threshold, 3),
-                         stacks=thread_stacks())  # fmt: skip
+                         collectives=collective_counts(), stacks=thread_stacks())  # fmt: skip
         self._diagnose(ev, grace_s=max(2.0, 2 * statistics.median(self.probe.recent_steps or [0.0])))
 
     def _diagnose(self, stall: dict[str, Any], grace_s: float) -> None:
-        own = {"step": stall["step"], "phase": stall["phase"], "since": stall["since"], "at": stall["detected_at"]}
+        own = {"step": stall["step"], "phase": stall["phase"], "since": stall["since"], "at": stall["detected_at"],
+               "collectives": stall["collectives"]}  # fmt: skip
         states = None
         if self.board is not None and self.board.publish(own):
             self._stop.wait(grace_s)

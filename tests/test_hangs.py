@@ -31,6 +31,89 @@ def test_classify_culprit_victims_and_silence() -> None:
     assert network["culprit_ranks"] == [] and network["victim_ranks"] == [0, 1]
 
 
+def st(step: int, phase: str, **counts: int) -> dict:
+    """A published progress note: step, phase and the collectives issued per process group."""
+    return {"step": step, "phase": phase, "collectives": counts}
+
+
+def final_verdicts(sequence: list[dict[int, dict | None]], world_size: int) -> list[dict]:
+    """The verdict after each read of a recorded sequence of notes (later notes replace earlier ones)."""
+    seen: dict[int, dict | None] = {r: None for r in range(world_size)}
+    out = []
+    for notes in sequence:
+        seen.update(notes)
+        out.append(classify(dict(seen), world_size))
+    return out
+
+
+def test_counts_name_the_rank_behind_on_a_host_blocking_backend() -> None:
+    """gloo, model with buffers: rank 1 stalls in its loader before step 10; rank 0 blocks in the buffer
+    broadcast it roots, rank 2 got the broadcast and blocks in the gradient all-reduce, rank 3 in the broadcast."""
+    sequence = [
+        {1: st(10, "data_wait", **{"0": 36})},  # the culprit notices first
+        {0: st(10, "collective_wait", **{"0": 38}), 3: st(10, "collective_wait", **{"0": 38})},
+        {2: st(10, "allreduce_wait", **{"0": 39})},
+    ]
+    verdicts = final_verdicts(sequence, 4)
+    v = verdicts[-1]
+    assert (v["culprit_ranks"], v["victim_ranks"], v["silent_ranks"]) == ([1], [0, 2, 3], [])
+    assert v["basis"] == "collective counts" and (v["step"], v["phase"]) == (10, "data_wait")
+    assert not v["mismatch_suspected"]
+    assert verdicts[1]["culprit_ranks"] == [1, 2], "before rank 2 speaks, it is silent, hence suspect"
+
+
+def test_counts_hold_where_the_host_phase_lies() -> None:
+    """NCCL: the host does not block in collectives. The victims ran ahead into step 11 and block at a
+    host sync (``.item()``: phase other) or are still enqueueing (forward); the culprit sits in its loader."""
+    notes = {
+        0: st(11, "other", **{"0": 44}),
+        1: st(10, "data_wait", **{"0": 40}),
+        2: st(11, "forward", **{"0": 42}),
+        3: st(11, "other", **{"0": 44}),
+    }
+    v = classify(notes, 4)
+    assert (v["culprit_ranks"], v["victim_ranks"]) == ([1], [0, 2, 3]) and v["basis"] == "collective counts"
+    # the phases alone would blame every rank: nobody is "waiting in a collective" on the host
+    phases_only = classify({r: {k: x for k, x in s.items() if k != "collectives"} for r, s in notes.items()}, 4)
+    assert phases_only["culprit_ranks"] == [0, 1, 2, 3]
+
+
+def test_counts_across_groups_find_the_end_of_the_chain() -> None:
+    """2-D job: tensor-parallel groups {0,1}, {2,3}; data-parallel groups {0,2}, {1,3}. Rank 1 is stuck in
+    compute; rank 0 waits for it in TP, rank 3 in DP, and rank 2 for rank 3 in TP."""
+    notes = {
+        0: st(5, "other", tp01=9, dp02=6),
+        1: st(5, "backward", tp01=8, dp13=6),
+        2: st(5, "other", tp23=9, dp02=6),
+        3: st(5, "other", tp23=8, dp13=7),
+    }
+    v = classify(notes, 4)
+    assert (v["culprit_ranks"], v["victim_ranks"]) == ([1], [0, 2, 3]) and v["phase"] == "backward"
+
+
+def test_counts_cycle_silence_mismatch_and_a_device_hang() -> None:
+    # ranks issue two groups' collectives in opposite orders: each waits for the other
+    cycle = classify({0: st(3, "collective_wait", a=3, b=2), 1: st(3, "collective_wait", a=2, b=3)}, 2)
+    assert cycle["culprit_ranks"] == [0, 1] and cycle["victim_ranks"] == []
+    # a dead rank: the others issued the same collectives and wait for it
+    dead = classify({0: st(7, "other", **{"0": 20}), 1: st(7, "other", **{"0": 20}), 2: None}, 3)
+    assert (dead["culprit_ranks"], dead["victim_ranks"], dead["basis"]) == ([2], [0, 1], "collective counts")
+    # rank 0 alone issued an extra collective (a broadcast the others never issue), all block in one
+    mismatch = classify({0: st(4, "collective_wait", **{"0": 12}), 1: st(4, "collective_wait", **{"0": 11})}, 2)
+    assert mismatch["culprit_ranks"] == [1] and mismatch["mismatch_suspected"]
+    # every rank issued the same collectives and none is silent: not a collective hang; the phases speak
+    device = classify({0: st(4, "other", **{"0": 11}), 1: st(4, "other", **{"0": 11})}, 2)
+    assert device["basis"] == "phases" and device["culprit_ranks"] == [0, 1]
+    # a rank that reported no counts: the phases decide, as before
+    mixed = classify({0: st(4, W, **{"0": 11}), 1: {"step": 4, "phase": "data_wait"}}, 2)
+    assert mixed["basis"] == "phases" and mixed["culprit_ranks"] == [1]
+
+
+def test_local_verdict_ignores_counts() -> None:
+    (local,) = hangs_from_events([{**stall(2, "forward", 50.0), "collectives": {"0": 5}}], 4)
+    assert local["culprit_ranks"] == [2] and local["evidence"] == "local"
+
+
 def stall(rank: int, phase: str, t: float, peers: dict | None = None, kind: str = "stall") -> dict:
     ev = {"kind": kind, "rank": rank, "step": 12, "phase": phase, "detected_at": t, "waited_s": 3.1,
           "threshold_s": 3.0, "id": f"{rank}-12", "stall_id": f"{rank}-12"}  # fmt: skip
