@@ -14,8 +14,10 @@ Injections (on ``--slow-rank`` from ``--from-step`` on, ``--slowdown`` seconds a
 Hangs: ``--stall-rank R --stall-at-step N --stall-seconds S`` makes rank R sleep
 S seconds before step N (the others then wait in the all-reduce); ``--kill-rank R
 --kill-at-step N`` SIGKILLs rank R there (torchrun then tears the job down).
-The training loop itself is plain PyTorch: stragglerwatch only sees it through
-``attach(model)`` and ``watch.wrap(loader)``.
+The model has a BatchNorm layer by default (``--model bn``), so DDP broadcasts its buffers at
+every forward, and the loop all-reduces its loss for logging every ``--log-every`` steps, as
+real jobs do; ``--model mlp --log-every 0`` is the bare loop. The training loop itself is plain
+PyTorch: stragglerwatch only sees it through ``attach(model)`` and ``watch.wrap(loader)``.
 """
 
 from __future__ import annotations
@@ -67,10 +69,10 @@ class _Slow(torch.autograd.Function):
 
 
 class Net(nn.Module):
-    def __init__(self, features: int, hidden: int, classes: int, injection: Injection):
+    def __init__(self, features: int, hidden: int, classes: int, injection: Injection, norm: bool = True):
         super().__init__()
         self.injection = injection
-        self.inp = nn.Linear(features, hidden)
+        self.inp = nn.Sequential(nn.Linear(features, hidden), *([nn.BatchNorm1d(hidden)] if norm else []))
         self.body = nn.Sequential(nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,6 +104,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=64, help="samples per micro-batch (default 64)")
     p.add_argument("--hidden", type=int, default=512, help="hidden width of the MLP (default 512)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step, under no_sync() (default 1)")
+    p.add_argument("--model", choices=("bn", "mlp"), default="bn",
+                   help="bn: an MLP with a BatchNorm layer (buffers DDP broadcasts); mlp: no buffers (default bn)")
+    p.add_argument("--log-every", type=int, default=10,
+                   help="all-reduce the loss for logging every N steps (default 10; 0: never)")  # fmt: skip
     p.add_argument("--slow-rank", type=int, default=-1, help="rank to slow down (default: none)")
     p.add_argument("--slowdown", type=float, default=0.02, help="extra seconds a step on the slow rank (default 0.02)")
     p.add_argument("--cause", choices=("compute", "data", "optimizer", "other"), default="compute",
@@ -138,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     injection = Injection(args, rank)
     features, classes = 256, 10
-    model = DDP(Net(features, args.hidden, classes, injection).to(device), device_ids=[device] if use_cuda else None)
+    net = Net(features, args.hidden, classes, injection, norm=args.model == "bn")
+    model = DDP(net.to(device), device_ids=[device] if use_cuda else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     n = args.batch_size * args.accum * world * 8
     data = TensorDataset(torch.randn(n, features), torch.randint(0, classes, (n,)))
@@ -179,6 +186,11 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(injection.delay_for("other"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if args.log_every and step % args.log_every == 0:
+                logged = loss.detach().clone()
+                dist.all_reduce(logged)
+                if rank == 0 and os.environ.get("TRAIN_DDP_VERBOSE"):
+                    print(f"step {step}: loss {logged.item() / world:.4f}", flush=True)
             step += 1
             injection.step = step
             if step >= args.steps:

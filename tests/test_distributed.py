@@ -47,8 +47,8 @@ def test_compute_straggler_is_busy_not_slow(compute_straggler: pd.DataFrame) -> 
     assert med.loc[2, "busy_s"] - peers["busy_s"].max() > 12 * MS
     compute = med["forward_s"] + med["backward_s"]
     assert compute.loc[2] - compute.drop(index=2).max() > 12 * MS
-    # ... while it waits least in the all-reduce ...
-    assert med.loc[2, "allreduce_wait_s"] < peers["allreduce_wait_s"].min()
+    # ... while it waits least in communication ...
+    assert med.loc[2, "comm_wait_s"] < peers["comm_wait_s"].min()
     # ... and every rank's step time is the same (the barrier)
     total = df[df["step"] >= 1].groupby("rank")["step_s"].sum()
     assert (total.max() - total.min()) / total.median() < 0.03
@@ -83,7 +83,10 @@ def test_data_straggler_shows_in_data_wait(data_run: Path) -> None:
     peers = med.drop(index=1)
     assert med.loc[1, "data_wait_s"] - peers["data_wait_s"].max() > 15 * MS
     assert med.loc[1, "busy_s"] - peers["busy_s"].max() > 12 * MS
-    assert med.loc[1, "allreduce_wait_s"] < peers["allreduce_wait_s"].min()
+    assert med.loc[1, "comm_wait_s"] < peers["comm_wait_s"].min()
+    # the example's model has buffers: peers wait for the late rank in forward's buffer broadcast (those
+    # gloo's broadcast tree does not let through to the all-reduce), and that wait is not forward
+    assert peers["collective_wait_s"].max() > 10 * MS and peers["forward_s"].max() < 8 * MS
 
 
 def test_data_straggler_without_wrapped_loader(tmp_path: Path) -> None:
