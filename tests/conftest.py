@@ -12,6 +12,14 @@ from stragglerwatch.timing import StepMarks
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests on the live Prometheus job run last and together: its 4 ranks train in the background
+    from the first of them to the end of the session, and no other multi-rank job may compete with
+    them for this machine's cores (that noise once made a healthy rank look slow), nor they with it."""
+    live = [item for item in items if "live_prometheus" in getattr(item, "fixturenames", ())]
+    items[:] = [item for item in items if item not in live] + live
+
+
 def fake_step(step: int, t0: float, busy: float = 0.01, wait: float = 0.005) -> StepMarks:
     """Host marks of one plain DDP step starting at ``t0`` (perf-counter seconds)."""
     m = StepMarks(step, t0, t0)
