@@ -64,9 +64,39 @@ class Straggler:
     detected_step: int  # step at which the consistency rule fired
     lost_seconds: float
     excess_ms: dict[str, float] = field(default_factory=dict)  # median excess per cause
+    # (first_step, last_step) of each flagged stretch when a short pause (a stall, a gap in the
+    # data, a few healthy steps) interrupted it: one straggler, several episodes
+    episodes: list[tuple[int, int | None]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _merge_episodes(found: list[Straggler], steps: np.ndarray, gap: int) -> list[Straggler]:
+    """One verdict per rank for flagged stretches at most ``gap`` steps apart (in step order)."""
+    out: list[Straggler] = []
+    position = {int(s): i for i, s in enumerate(steps)}
+    for s in sorted(found, key=lambda x: (x.rank, x.first_step)):
+        prev = out[-1] if out and out[-1].rank == s.rank else None
+        if prev is not None and prev.last_step is not None and position[s.first_step] - position[prev.last_step] <= gap:
+            n_prev = position[prev.last_step] - position[prev.first_step] + 1
+            n_new = (position[s.last_step] if s.last_step is not None else len(steps) - 1) - position[s.first_step] + 1
+            main = prev if prev.lost_seconds >= s.lost_seconds else s
+            out[-1] = Straggler(
+                rank=s.rank,
+                cause=main.cause,
+                slowdown=round((prev.slowdown * n_prev + s.slowdown * n_new) / (n_prev + n_new), 4),
+                first_step=prev.first_step,
+                last_step=s.last_step,
+                detected_step=prev.detected_step,
+                lost_seconds=prev.lost_seconds + s.lost_seconds,
+                excess_ms=main.excess_ms,
+                episodes=[*prev.episodes, (s.first_step, s.last_step)],
+            )
+        else:
+            s.episodes = [(s.first_step, s.last_step)]
+            out.append(s)
+    return out
 
 
 @dataclass
@@ -253,6 +283,7 @@ def detect(
         for j in range(n_ranks)
         for start, end in _intervals(flags[:, j])
     ]
+    stragglers = _merge_episodes(stragglers, mat.steps, cfg.window)
     stragglers.sort(key=lambda s: -s.lost_seconds)
 
     busy_max = np.nanmax(np.where(np.isnan(busy), -np.inf, busy), axis=1) if n_steps else np.zeros(0)

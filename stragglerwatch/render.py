@@ -19,9 +19,11 @@ def _duration(seconds: float | None) -> str:
 
 
 def _steps(s: dict[str, Any]) -> str:
+    pauses = len(s.get("episodes") or []) - 1
+    paused = f", with {pauses} short pause{'s' if pauses > 1 else ''}" if pauses > 0 else ""
     if s["last_step"] is None:
-        return f"since step {s['first_step']} (still slow at the end)"
-    return f"from step {s['first_step']} to step {s['last_step']}"
+        return f"since step {s['first_step']} (still slow at the end{paused})"
+    return f"from step {s['first_step']} to step {s['last_step']}" + (f" ({paused[2:]})" if paused else "")
 
 
 def verdict_lines(report: dict[str, Any]) -> list[str]:

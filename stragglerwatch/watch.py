@@ -21,7 +21,6 @@ import os
 import sys
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -156,6 +155,7 @@ class Watch:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         if self._probe is not None:
             self._probe.enabled = False
             self._probe.finish_pending()
@@ -233,12 +233,6 @@ class _UnavailableNotes:
         """Every reason known now (attach time and training), for the exporter."""
         known = list(self.rank_meta.get("busy_unavailable", []))
         return known + [r for r in self.probe.unavailable.values() if r not in known]
-
-
-def _close_at_exit(ref: weakref.ref) -> None:
-    watch = ref()
-    if watch is not None:
-        watch.close()
 
 
 def attach(
@@ -357,7 +351,7 @@ def attach(
                 f"stragglerwatch: cannot add its DDP communication hook ({exc}); "
                 "attach before registering any comm hook and pass yours as attach(model, comm_hook=(state, hook))"
             ) from None
-    atexit.register(_close_at_exit, weakref.ref(watch))
+    atexit.register(watch.close)  # a strong reference: `attach(model)` as a bare statement records too
     return watch
 
 

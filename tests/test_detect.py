@@ -135,3 +135,19 @@ def test_config_knobs() -> None:
     assert run(cfg, config=DetectConfig(min_slowdown=0.12)).stragglers == []
     mat = to_matrix(to_frame(cfg))
     assert mat.values["busy_s"].shape == (300, 16)
+
+
+def test_a_straggler_interrupted_by_a_gap_is_one_verdict_with_episodes() -> None:
+    """A stall of the straggler leaves a hole in its data (what a Prometheus rate window shows while it
+    makes no step): one verdict with two episodes, not the same rank twice."""
+    cfg = SimConfig(ranks=8, steps=300, seed=5, injections=[Injection(2, 0.3, onset=50)])
+    frame = to_frame(cfg)
+    frame = frame[~((frame["rank"] == 2) & frame["step"].between(150, 157))]
+    v = detect(frame)
+    assert [s.rank for s in v.stragglers] == [2]
+    (s,) = v.stragglers
+    assert len(s.episodes) == 2 and s.episodes[0][0] == s.first_step and s.episodes[-1][1] is None
+    assert abs(s.first_step - 50) <= 10 and s.last_step is None
+    # a straggler that truly recovers for long and comes back is two verdicts
+    later = SimConfig(ranks=8, steps=600, seed=5, injections=[Injection(2, 0.3, 50, end=200), Injection(2, 0.3, 400)])
+    assert [len(x.episodes) for x in detect(to_frame(later)).stragglers] == [1, 1]
