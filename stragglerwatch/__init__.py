@@ -1,14 +1,28 @@
 """stragglerwatch: find the slow and the stuck ranks of PyTorch DDP training jobs.
 
-Public API: :func:`attach` (returns a :class:`Watch`), :func:`load_run`,
-:class:`RunDirError`, ``__version__``. Everything else is internal.
+Public API: :func:`attach` (returns a :class:`Watch`), :class:`Config` (every setting of
+attach, documented field by field), :func:`load_run`, :class:`RunDirError`, the errors a
+mistaken call raises (:class:`ConfigError`, :class:`AttachError`), ``__version__``.
+Everything else is internal. Runtime messages go to the ``stragglerwatch`` logger.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from .config import Config, ConfigError  # noqa: E402
 from .eventlog import RunDirError, RunDirWarning, load_run  # noqa: E402
+from .runinfo import AttachError  # noqa: E402
 from .watch import Watch, attach  # noqa: E402
 
-__all__ = ["RunDirError", "RunDirWarning", "Watch", "__version__", "attach", "load_run"]
+__all__ = [
+    "AttachError",
+    "Config",
+    "ConfigError",
+    "RunDirError",
+    "RunDirWarning",
+    "Watch",
+    "__version__",
+    "attach",
+    "load_run",
+]

@@ -8,6 +8,8 @@ Report (``--format json``), schema ``stragglerwatch-report/1``:
 ``host``, ``cause``, ``slowdown``, ``first_step``, ``last_step``,
 ``detected_step``, ``lost_seconds``, ``lost_gpu_seconds``, ``excess_ms``),
 ``group_imbalance``, ``hangs``, ``ranks`` (per-rank medians), ``thresholds``, and
+``attempts``: the run's attempts (``restart``, ``attach``, ``first_step``, ``last_step`` in
+the report's step numbering, which continues across them), and
 ``busy_unavailable``: a list of ``{"reason", "ranks"}``, empty when every rank's busy time
 could be measured. When it is not empty no straggler verdict is given (``stragglers``
 is empty): comparing busy times that still hold communication would blame the wrong ranks.
@@ -123,10 +125,15 @@ def analyze_run(
 ) -> Analysis:
     """Load a run dir, detect, and build the report (raises ``RunDirError``)."""
     path = Path(run_dir)
-    logs = read_logs(path, columns=MATRIX_COLUMNS, progress=progress)
+    logs = read_logs(path, columns=[*MATRIX_COLUMNS, "restart", "attach"], progress=progress)
+    steps, attempts = global_steps(
+        [t["step"].to_numpy() for t in logs.tables],
+        [t["restart"].to_numpy() for t in logs.tables],
+        [t["attach"].to_numpy() for t in logs.tables],
+    )
     mat = matrix_from_columns(
         [t["rank"].to_numpy() for t in logs.tables],
-        [t["step"].to_numpy() for t in logs.tables],
+        steps,
         {c: [t[c].to_numpy() for t in logs.tables] for c in MATRIX_COLUMNS},
     )
     del logs
@@ -139,7 +146,32 @@ def analyze_run(
     events, bad = read_events(path)
     report["hangs"] = hangs_from_events(events, report["world_size"], last_steps(mat))
     report["events"] = {"count": len(events), "skipped_lines": bad}
+    report["attempts"] = attempts
     return Analysis(report, mat, verdict)
+
+
+def global_steps(
+    steps: list[np.ndarray], restarts: list[np.ndarray], attaches: list[np.ndarray]
+) -> tuple[list[np.ndarray], list[dict[str, int]]]:
+    """Steps numbered across attempts, and the attempts. Each (restart, attach) pair counts its
+    steps from 0; in the order of the pairs, every attempt's steps follow the last step any
+    rank recorded in the one before, so no (rank, step) of one attempt overwrites another's."""
+    keys = [r.astype(np.int64) * 65536 + a.astype(np.int64) for r, a in zip(restarts, attaches, strict=True)]
+    last: dict[int, int] = {}
+    for k, s in zip(keys, steps, strict=True):
+        for key in np.unique(k):
+            last[int(key)] = max(last.get(int(key), -1), int(s[k == key].max()))
+    offsets, attempts, offset = {}, [], 0
+    for key in sorted(last):
+        offsets[key] = offset
+        attempts.append({"restart": key // 65536, "attach": key % 65536, "first_step": offset,
+                         "last_step": offset + last[key]})  # fmt: skip
+        offset += last[key] + 1
+    if len(offsets) <= 1:
+        return steps, attempts
+    ordered = np.array(sorted(offsets))
+    shift = np.array([offsets[k] for k in ordered])
+    return [s + shift[np.searchsorted(ordered, k)] for s, k in zip(steps, keys, strict=True)], attempts
 
 
 def empty_analysis() -> Analysis:

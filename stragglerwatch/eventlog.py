@@ -11,7 +11,8 @@ stream is compacted into ``rank-NNNNN.parquet`` (written to a temporary name and
 renamed atomically) so finished runs are read natively by DuckDB and Spark.
 
 Our failures never reach training: an error writing (disk full, read-only
-filesystem) becomes one warning and a counter; the log keeps going.
+filesystem) becomes one line in the ``stragglerwatch`` logger (rate-limited) and a
+counter; the log keeps going, in a new segment.
 """
 
 from __future__ import annotations
@@ -19,17 +20,20 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .log import Problems
 from .runinfo import RUN_META, read_run_meta
 from .schema import (
     RUN_COLUMNS,
@@ -73,7 +77,14 @@ def log_path(run_dir: Path, rank: int) -> Path:
 
 
 class EventLogWriter:
-    """Writes one rank's step records. ``submit`` is the only hot-path call."""
+    """Writes one rank's step records. ``submit`` is the only hot-path call.
+
+    Durability: every batch is flushed to the OS (a crash of the process loses at most
+    ``flush_interval_s``); the file is fsynced at most every ``fsync_interval_s`` and at close
+    (what a crash of the machine can lose). After a failed write (disk full, file gone) the
+    stream is abandoned, since its last batch may be cut, and the next batch starts a new
+    segment; a run dir deleted under us is made again (``on_reopen`` rewrites its metadata).
+    """
 
     def __init__(
         self,
@@ -84,23 +95,33 @@ class EventLogWriter:
         timing: str = "host",
         resolve: Resolver | None = None,
         flush_interval_s: float = 1.0,
+        fsync_interval_s: float = 10.0,
+        restart: int = 0,
+        attach: int = 0,
+        problems: Problems | None = None,
+        on_reopen: Callable[[], None] | None = None,
     ):
         self.path = path
         self.rank = rank
         self.flush_interval_s = flush_interval_s
+        self.fsync_interval_s = fsync_interval_s
         self.steps_written = 0
         self.write_errors = 0
         self.dropped_steps = 0
         self._wall_anchor = wall_anchor
         self._timing = timing
+        self._ids = (restart, attach)
         self._resolve = resolve or _host_resolve
+        self._problems = problems or Problems()
+        self._on_reopen = on_reopen
         self.observers: list[Callable[[list[StepRecord]], None]] = []  # e.g. the exporter's aggregates
         self._queue: deque[StepMarks] = deque()
         self._pending: deque[StepMarks] = deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._file = None
+        self._file: Any = None
         self._writer: pa.RecordBatchStreamWriter | None = None
+        self._synced_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"stragglerwatch-log-{rank}", daemon=True)
         self._thread.start()
 
@@ -109,7 +130,10 @@ class EventLogWriter:
 
     def _run(self) -> None:
         while not self._stop.wait(self.flush_interval_s):
-            self.flush()
+            try:
+                self.flush()
+            except Exception as exc:  # never let the thread die of our own bug
+                self._fail("thread", f"step log thread: {type(exc).__name__}: {exc}")
 
     def flush(self, block: bool = False, lock_timeout_s: float = -1) -> None:
         """Write every step whose marks are resolved (all of them when ``block``); gives up
@@ -120,15 +144,15 @@ class EventLogWriter:
             try:
                 records = self._take_resolved(block)
             except Exception as exc:  # a broken event must not kill the thread
-                self._fail(f"could not resolve step timings: {exc}")
+                self._fail("resolve", f"could not resolve step timings: {exc}")
                 return
             if records:
                 self._write(records)
                 for observe in self.observers:
                     try:
                         observe(records)
-                    except Exception:
-                        self.write_errors += 1
+                    except Exception as exc:
+                        self._fail("observer", f"{type(exc).__name__}: {exc}")
         finally:
             self._lock.release()
 
@@ -141,28 +165,52 @@ class EventLogWriter:
             if resolved is None:
                 break
             self._pending.popleft()
-            records.append(anatomy(resolved, self.rank, self._wall_anchor, self._timing))
+            records.append(anatomy(resolved, self.rank, self._wall_anchor, self._timing, *self._ids))
         while len(self._pending) > MAX_PENDING:
             self._pending.popleft()
             self.dropped_steps += 1
         return records
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, kind: str, message: str) -> None:
         self.write_errors += 1
-        if self.write_errors == 1:
-            warnings.warn(f"stragglerwatch: {message} (training continues; further errors counted)", stacklevel=2)
+        self._problems.report(f"log-{kind}", f"{message} (training continues; later errors are counted)")
+
+    def _open(self) -> None:
+        if not self.path.parent.is_dir():  # the run dir was deleted under us: make it again
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self._on_reopen is not None:
+                self._on_reopen()
+            self._problems.report("log-reopen", f"run dir {self.path.parent} was gone: made again, logging goes on")
+        self.path = log_path(self.path.parent, self.rank)
+        self._file = open(self.path, "wb")  # noqa: SIM115 - lives as long as the writer
+        self._writer = pa.ipc.new_stream(self._file, STEP_SCHEMA)
+
+    def _abandon(self) -> None:
+        """Drop the current stream (its last batch may be cut); the next write starts a new segment."""
+        writer, file, self._writer, self._file = self._writer, self._file, None, None
+        for closable in (writer, file):
+            try:
+                if closable is not None:
+                    closable.close()
+            except Exception:
+                pass
 
     def _write(self, records: list[StepRecord]) -> None:
         try:
+            if self._writer is not None and not self.path.exists():  # deleted under us
+                self._abandon()
             if self._writer is None:
-                self._file = open(self.path, "wb")  # noqa: SIM115 - lives as long as the writer
-                self._writer = pa.ipc.new_stream(self._file, STEP_SCHEMA)
+                self._open()
             self._writer.write_batch(records_to_batch(records))
             self._file.flush()
+            if self.fsync_interval_s and time.monotonic() - self._synced_at >= self.fsync_interval_s:
+                os.fsync(self._file.fileno())
+                self._synced_at = time.monotonic()
             self.steps_written += len(records)
         except Exception as exc:
             self.dropped_steps += len(records)
-            self._fail(f"cannot write {self.path}: {exc}")
+            self._abandon()
+            self._fail("write", f"cannot write {self.path}: {exc}")
 
     def close(self) -> None:
         """Stop the thread, write every remaining step, compact to Parquet."""
@@ -174,20 +222,36 @@ class EventLogWriter:
                 return
             try:
                 self._writer.close()
+                self._file.flush()
+                os.fsync(self._file.fileno())
                 self._file.close()
                 _compact(self.path)
             except Exception as exc:
-                self._fail(f"cannot finish {self.path}: {exc}")
-            self._writer = None
+                self._fail("finish", f"cannot finish {self.path} (it stays readable as a stream): {exc}")
+            self._writer = self._file = None
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _compact(stream_path: Path) -> None:
-    with pa.OSFile(str(stream_path), "rb") as src:
-        table = pa.ipc.open_stream(src).read_all()
+    """The stream as Parquet, crash-safe: written under a temporary name and fsynced, renamed,
+    the directory fsynced, and only then the stream removed. A crash at any point leaves the
+    stream, the Parquet file, or both (readers prefer the Parquet file); never neither."""
+    table = _read_stream(stream_path, quiet=True)
+    if table is None:
+        return
     final = stream_path.with_suffix(".parquet")
     tmp = final.with_name(final.name + ".tmp")
     pq.write_table(table, tmp)
+    _fsync_path(tmp)
     os.replace(tmp, final)
+    _fsync_path(final.parent)
     stream_path.unlink()
 
 
@@ -198,27 +262,28 @@ def _warn(message: str) -> None:
     warnings.warn(message, RunDirWarning, stacklevel=3)
 
 
-def _read_stream(path: Path) -> pa.Table | None:
+def _read_stream(path: Path, quiet: bool = False) -> pa.Table | None:
+    warn = (lambda message: None) if quiet else _warn
     batches = []
     try:
         with pa.OSFile(str(path), "rb") as src:
             reader = pa.ipc.open_stream(src)
             problem = schema_compatible(reader.schema)
             if problem:
-                _warn(f"{path}: skipped: {problem}")
+                warn(f"{path}: skipped: {problem}")
                 return None
             try:
                 for batch in reader:
                     batches.append(batch)
             except (pa.ArrowInvalid, OSError, EOFError) as exc:
-                _warn(f"{path}: truncated after {sum(len(b) for b in batches)} steps (rank killed?): {exc}")
+                warn(f"{path}: truncated after {sum(len(b) for b in batches)} steps (rank killed?): {exc}")
             return pa.Table.from_batches(batches, schema=reader.schema)
     except FileNotFoundError:
         raise
     except (pa.ArrowInvalid, OSError, EOFError) as exc:
         if path.stat().st_size == 0:
             return None  # created, nothing flushed yet
-        _warn(f"{path}: skipped: not an Arrow stream ({exc})")
+        warn(f"{path}: skipped: not an Arrow stream ({exc})")
         return None
 
 
@@ -313,7 +378,8 @@ def load_run(
     columns: Sequence[str] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> pd.DataFrame:
-    """One row per (rank, step) of a run dir: the step anatomy plus ``world_size``.
+    """One row per (rank, restart, attach, step) of a run dir: the step anatomy plus ``world_size``.
+    Steps count from 0 in each attempt (``restart``, ``attach``); ``analyze`` numbers them on.
 
     ``columns`` limits what is read (``rank`` and ``step`` always are): the
     per-bucket list columns are costly in pandas for large runs. ``progress`` is
@@ -326,5 +392,6 @@ def load_run(
     logs = read_logs(run_dir, columns, progress)
     frame = (pa.concat_tables(logs.tables) if logs.tables else logs.schema.empty_table()).to_pandas()
     frame["world_size"] = logs.world_size
-    frame = frame.sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
+    order = [c for c in ("restart", "attach", "step", "rank") if c in frame.columns]
+    frame = frame.sort_values(order, kind="stable").reset_index(drop=True)
     return frame[[c for c in RUN_COLUMNS if c in frame.columns]]

@@ -3,10 +3,11 @@
 Design (client_python's custom-collector pattern): the training thread does nothing
 for the exporter. The event-log thread hands each batch of finished step records
 to :meth:`RankMetrics.observe`, which folds them into histogram buckets under a
-lock; a scrape (the HTTP server's own thread) takes a snapshot under the same
+lock; a scrape (a thread of our HTTP server) takes a snapshot under the same
 lock and builds the metric families from it. The registry is our own
 ``CollectorRegistry``: nothing leaks into the user's global registry. A port in
-use, or any other failure, is one warning and a counter; training goes on.
+use, or any other failure, is one line in the ``stragglerwatch`` logger and a counter;
+training goes on.
 
 Series (labels ``run`` and ``rank`` on all of them):
 ``stragglerwatch_step_seconds``, ``stragglerwatch_busy_seconds`` and
@@ -20,13 +21,15 @@ Series (labels ``run`` and ``rank`` on all of them):
 from __future__ import annotations
 
 import os
+import socket
 import threading
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -35,6 +38,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from .log import Problems
 from .runinfo import RunInfo, write_json_atomic
 from .schema import PHASES, StepRecord
 
@@ -166,26 +170,63 @@ def sd_file(sd_dir: Path, info: RunInfo) -> Path:
     return sd_dir / f"stragglerwatch-{info.run_id}-{info.rank:05d}.json"
 
 
-class Exporter:
-    """The HTTP server of one rank and its file_sd target file."""
+class _Server(ThreadingMixIn, WSGIServer):
+    """One thread per scrape (a scraper that hangs holds only its own); errors are counted, not printed."""
 
-    def __init__(self, collector: RankCollector, port: int, addr: str = "0.0.0.0", sd_dir: Path | None = None):
+    daemon_threads = True
+    failures = 0  # a connection that failed (reset, timed out): counted on the instance, never printed
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        self.failures += 1
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = 10  # seconds a connection may sit idle: a hung scraper frees its thread
+
+    def log_message(self, *args: Any) -> None:  # no line on stderr per scrape
+        pass
+
+
+class Exporter:
+    """The HTTP server of one rank and its file_sd target file.
+
+    The server is ours (``wsgiref`` with a thread per request over client_python's WSGI app),
+    not ``start_http_server``, whose return value changed across the prometheus-client
+    versions we allow: every version with ``make_wsgi_app`` serves the same way, and
+    ``close()`` can always stop it."""
+
+    def __init__(
+        self,
+        collector: RankCollector,
+        port: int,
+        addr: str = "0.0.0.0",
+        sd_dir: Path | None = None,
+        problems: Problems | None = None,
+    ):
         self.errors = 0
         self.server: Any = None
         self.port = port
         self.sd_path: Path | None = None
+        self._problems = problems or Problems()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
         info = collector.info
         try:
-            self.server, _ = start_http_server(port, addr=addr, registry=self.registry)
-        except OSError as exc:
+            server_class = _Server6 if ":" in addr else _Server
+            self.server = make_server(addr, port, self._app(make_wsgi_app(self.registry)), server_class, _Handler)
+            thread = threading.Thread(target=self.server.serve_forever, name=f"stragglerwatch-metrics-{info.rank}",
+                                      daemon=True)  # fmt: skip
+            thread.start()
+        except Exception as exc:
             self.errors += 1
-            warnings.warn(
-                f"stragglerwatch: cannot serve /metrics on {addr}:{port} ({exc.strerror or exc}); "
-                "training continues without the exporter",
-                stacklevel=3,
-            )
+            self.server = None
+            reason = getattr(exc, "strerror", None) or exc
+            self._problems.report("exporter", f"cannot serve /metrics on {addr}:{port} ({reason}); "
+                                  "training continues without the exporter")  # fmt: skip
             return
         host = info.host if addr in ("", "0.0.0.0", "::") else addr
         target = [
@@ -196,13 +237,29 @@ class Exporter:
             sd_dir.mkdir(parents=True, exist_ok=True)
             self.sd_path = sd_file(sd_dir, info)
             write_json_atomic(self.sd_path, target)
-        except OSError:
+        except OSError as exc:
             self.errors += 1
+            self._problems.report("exporter-sd", f"cannot write the target file in {sd_dir}: {exc}")
+
+    def _app(self, app: Any) -> Any:
+        def guarded(environ: dict[str, Any], start_response: Any) -> Any:
+            try:
+                return app(environ, start_response)
+            except Exception as exc:  # a collector of ours that failed: a 500, one line, a counter
+                self.errors += 1
+                self._problems.report("exporter-scrape", f"/metrics failed: {type(exc).__name__}: {exc}")
+                start_response("500 Internal Server Error", [("Content-Type", "text/plain")])
+                return [b"stragglerwatch: metrics unavailable\n"]
+
+        return guarded
 
     def close(self) -> None:
         if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+            try:
+                self.server.shutdown()
+                self.server.server_close()
+            except Exception:
+                pass
             self.server = None
         if self.sd_path is not None:
             try:

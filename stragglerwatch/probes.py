@@ -44,6 +44,7 @@ communication seen), the probe notes the reason once in ``unavailable``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import threading
 import time
@@ -54,9 +55,27 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
+from .log import Problems
 from .timing import StepMarks
 
 Sink = Callable[[StepMarks], None]
+
+
+def _guarded(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A hook that never raises into the training loop: a failure of ours is counted and
+    reported (one line per minute at most), and the hook returns None."""
+
+    @functools.wraps(hook)
+    def guarded(self: StepProbe, *args: Any) -> Any:
+        try:
+            return hook(self, *args)
+        except Exception as exc:
+            self.faults += 1
+            self.problems.report("probe", f"a hook of ours failed ({hook.__name__}: {type(exc).__name__}: {exc}); "
+                                 "training continues, this step's timings may be incomplete")  # fmt: skip
+            return None
+
+    return guarded
 _NESTED = object()  # token of a collective inside another timed one (counted once, by the outer)
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _SCALARS = (str, bytes, int, float, bool, type(None))
@@ -117,6 +136,7 @@ class StepProbe:
         ender: int | None = None,
         expect_comm: bool = False,
         on_unavailable: Callable[[str], None] | None = None,
+        problems: Problems | None = None,
     ):
         self._sink = sink
         self._syncing = syncing  # DDP: does this backward all-reduce (not under no_sync())?
@@ -139,6 +159,8 @@ class StepProbe:
         self._opt_calls = 0
         self._expect_comm = expect_comm  # multi-rank model without DDP: is any communication seen?
         self._on_unavailable = on_unavailable
+        self.problems = problems or Problems()
+        self.faults = 0  # failures of our own hooks, never raised into the loop
         self.unavailable: dict[str, str] = {}  # what of the signal cannot be seen, and why
         self.enabled = True
         # where the training thread is, for the watchdog thread: (step, phase, since), one
@@ -182,8 +204,11 @@ class StepProbe:
         it = iter(iterable)
         while True:
             t0 = now()
-            m = self._cur or self._begin(t0) if self.enabled else None  # the first step starts here
-            self.where = (self._next_step, "data_wait", t0)
+            try:
+                m = self._cur or self._begin(t0) if self.enabled else None  # the first step starts here
+                self.where = (self._next_step, "data_wait", t0)
+            except Exception:
+                m = None
             try:
                 item = next(it)
             except StopIteration:
@@ -195,6 +220,7 @@ class StepProbe:
             yield item
 
     # -- forward ----------------------------------------------------------
+    @_guarded
     def on_forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         if not self.enabled:
             return
@@ -217,6 +243,7 @@ class StepProbe:
         self._fwd_open = True
         m.fwd_start.append(self._at(now))
 
+    @_guarded
     def on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self.enabled:
             return
@@ -242,6 +269,7 @@ class StepProbe:
             )
 
     # -- backward ---------------------------------------------------------
+    @_guarded
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         m = self._cur
         if self._in_backward or m is None or not self.enabled:
@@ -257,6 +285,7 @@ class StepProbe:
         m.bwd_start.append(self._mark())
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
+    @_guarded
     def _on_backward_end(self) -> None:
         self._in_backward = False
         m = self._cur
@@ -269,6 +298,7 @@ class StepProbe:
         else:
             self.where = (self._next_step, "other", self._now())
 
+    @_guarded
     def _on_synced(self) -> None:
         m = self._cur
         if m is not None and m.bwd_end:
@@ -276,6 +306,7 @@ class StepProbe:
             m.sync.append((m.bwd_end[-1], self._mark()))
 
     # -- every other collective ------------------------------------------
+    @_guarded
     def comm_begin(self) -> Any:
         """A collective starts being waited for (``taps``, DDP's buffer sync). Returns a token."""
         if not self.enabled or self._cur is None:
@@ -290,6 +321,7 @@ class StepProbe:
         self.where = (step, "collective_wait", now)
         return (self._at(now), phase)
 
+    @_guarded
     def comm_end(self, token: Any) -> None:
         if token is None:
             return
@@ -323,15 +355,16 @@ class StepProbe:
         # DDP inspects the signature: the parameter must be named ``bucket`` and
         # carry no (string) annotation, hence none here.
         def hook(_state, bucket):  # type: ignore[no-untyped-def]
-            m = self._cur
-            if m is None or not self.enabled:
+            ready = self._bucket_ready(bucket)
+            if ready is None:
                 return launch(bucket).then(unwrap)
-            idx = bucket.index()
-            m.ready.append((idx, mark()))
-            done = m.done
+            idx, done = ready
 
             def on_done(fut: torch.futures.Future) -> Any:
-                done.append((idx, mark()))
+                try:
+                    done.append((idx, mark()))
+                except Exception:
+                    self.faults += 1
                 return unwrap(fut)
 
             return launch(bucket).then(on_done)
@@ -339,7 +372,18 @@ class StepProbe:
         hook.__qualname__ = f"stragglerwatch({getattr(inner, '__qualname__', 'allreduce')})"
         return hook
 
+    @_guarded
+    def _bucket_ready(self, bucket: Any) -> tuple[int, list[tuple[int, Any]]] | None:
+        """Mark a gradient bucket ready; its index and the list its all-reduce end goes to."""
+        m = self._cur
+        if m is None or not self.enabled:
+            return None
+        idx = bucket.index()
+        m.ready.append((idx, self._mark()))
+        return idx, m.done
+
     # -- optimizer and step end -------------------------------------------
+    @_guarded
     def on_optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.enabled:
             return
@@ -355,6 +399,7 @@ class StepProbe:
         self.where = (self._next_step, "optimizer", now)
         m.opt.append([self._at(now), None])
 
+    @_guarded
     def on_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.enabled or self._opt_depth == 0:
             return
@@ -376,9 +421,11 @@ class StepProbe:
         elif self._ender is None:
             self._cut = (m.lengths(), end, host, oid)
 
+    @_guarded
     def scaler_begin(self, optimizer: Any) -> Any:
         return self._opt_calls if self.enabled else None
 
+    @_guarded
     def scaler_end(self, token: Any, optimizer: Any) -> None:
         """After ``GradScaler.step``: an optimizer it skipped (inf/NaN) still ended an iteration."""
         if token is not None and self.enabled and self._opt_calls == token and self._opt_depth == 0:
@@ -394,6 +441,7 @@ class StepProbe:
         self._cur = m.split(cut, end, host)
         self._emit(m, host)
 
+    @_guarded
     def finish_pending(self) -> None:
         """At close: a step whose end is known but not yet confirmed (ender still unknown)."""
         if self._ender is None and self._cut is not None:

@@ -47,6 +47,11 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
             )
     else:
         lines.append("no consistently slow rank.")
+    attempts = report.get("attempts") or []
+    if len(attempts) > 1:
+        starts = ", ".join(f"restart {a['restart']}" + (f" (attach {a['attach']})" if a["attach"] else "")
+                           + f" from step {a['first_step']}" for a in attempts[1:])  # fmt: skip
+        lines.append(f"{len(attempts)} attempts, steps numbered on across them: {starts}.")
     for g in report.get("group_imbalance", []):
         lines.append(f"group imbalance: {g['group']} (ranks {_ranks(g['ranks'])}) is {g['slowdown']:.2f}x as busy")
     for h in report.get("hangs", []):

@@ -3,8 +3,9 @@
 Design: identity comes from ``torch.distributed`` when it is initialised, else from
 torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``). All ranks must
 write into one run dir, so they agree on one run id once, at attach time (never
-in the hot path): ``$STRAGGLERWATCH_RUN_ID`` if set, else rank 0 makes one and
-publishes it through the process group's existing c10d store.
+in the hot path): see :func:`discover`. Each record also carries the restart count of
+torchrun's worker group and the number of this process's earlier ``attach`` calls, so
+restarts and re-attaches never make two records of one (rank, step).
 
 Files of a run dir:
 - ``run.json``: written once by rank 0 (run id, world size, versions, config);
@@ -15,22 +16,28 @@ Files of a run dir:
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
+import logging
 import os
 import platform
 import socket
 import time
 import uuid
-import warnings
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 RUN_META = "run.json"
+LOGGER = logging.getLogger("stragglerwatch")
 _STORE_TIMEOUT = timedelta(seconds=120)
-_attach_counter = itertools.count()  # per-process attach number: keys the run-id handshake
+_attach_counter = itertools.count()  # this process's attach() calls: the records' `attach`
+
+
+class AttachError(RuntimeError):
+    """``attach`` was asked for something it cannot do; the message is one line for the user."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,8 @@ class RunInfo:
     local_rank: int
     world_size: int
     host: str
+    restart: int = 0  # torchrun's restart count of this worker group (TORCHELASTIC_RESTART_COUNT)
+    attach: int = 0  # how many attach() this process made before this one
 
 
 def _dist() -> Any:
@@ -53,50 +62,74 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
-def _agree_run_id(dist: Any, rank: int) -> str:
-    key = f"stragglerwatch/run_id/{next(_attach_counter)}"
+def _agree(dist: Any, rank: int, key: str, make: Any, fallback: str) -> str:
+    """A value rank 0 makes and every rank reads, through the job's store (once, at attach time);
+    ``fallback`` (the same on every rank) when the store does not answer."""
     try:
         store = dist.distributed_c10d._get_default_store()
         if rank == 0:
-            run_id = new_run_id()
-            store.set(key, run_id)
-            return run_id
+            value = make()
+            store.set(key, value)
+            return value
         store.wait([key], _STORE_TIMEOUT)
         return store.get(key).decode()
-    except Exception as exc:  # store unreachable: fall back to what torchrun gives every rank
-        fallback = os.environ.get("TORCHELASTIC_RUN_ID", "")
-        run_id = f"job-{fallback}" if fallback and fallback != "none" else "job-" + time.strftime("%Y%m%d")
-        message = f"stragglerwatch: could not agree on a run id through the store ({exc}); using {run_id}"
-        warnings.warn(message, stacklevel=3)
-        return run_id
+    except Exception as exc:
+        LOGGER.warning("stragglerwatch: could not agree on a run id through the store (%s); using %s", exc, fallback)
+        return fallback
 
 
-def discover(run_dir: str | os.PathLike[str] | None = None) -> RunInfo:
-    """This process's identity and the run dir every rank writes to."""
+def _job_suffix(dist: Any, rank: int, world: int, attach: int) -> str:
+    """Six characters unique to this job, the same on every rank: from torchrun's run id (random per
+    job in --standalone, the rendezvous id otherwise), else agreed through the store."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if job and job != "none":
+        return hashlib.sha1(job.encode()).hexdigest()[:6]
+    where = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    alike = hashlib.sha1(where.encode()).hexdigest()[:6]  # what every rank of the job sees alike
+    if world > 1 and dist is not None:
+        return _agree(dist, rank, f"stragglerwatch/run_suffix/{attach}", lambda: uuid.uuid4().hex[:6], alike)
+    return alike if world > 1 else uuid.uuid4().hex[:6]
+
+
+def discover(run_dir: str | os.PathLike[str] | None = None, run_id: str | None = None) -> RunInfo:
+    """This process's identity and the run dir every rank writes to.
+
+    The run id is ``run_id`` if given; else, in a run dir that already has a ``run.json``, its run
+    id (a restart or a second attach continues the run); else the run dir's name plus a suffix
+    unique to the job (two jobs whose run dirs share a name never share labels or target files);
+    without a run dir, a new id, agreed through the store, names the run dir too."""
     dist = _dist()
     if dist is not None:
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    run_dir = run_dir or os.environ.get("STRAGGLERWATCH_RUN_DIR") or None
-    run_id = os.environ.get("STRAGGLERWATCH_RUN_ID") or None
+    attach = next(_attach_counter)
+    try:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
+    except ValueError:
+        restart = 0
     if run_dir is not None:
         path = Path(run_dir)
-        run_id = run_id or path.resolve().name
+        if run_id is None:
+            existing = read_run_meta(path)
+            run_id = str(existing["run_id"]) if existing and existing.get("run_id") else None
+        run_id = run_id or f"{path.resolve().name}-{_job_suffix(dist, rank, world, attach)}"
     else:
         if run_id is None:
             if dist is not None and world > 1:
-                run_id = _agree_run_id(dist, rank)
+                job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+                fallback = f"job-{job}" if job != "none" else "job-" + time.strftime("%Y%m%d")
+                run_id = _agree(dist, rank, f"stragglerwatch/run_id/{attach}", new_run_id, fallback)
             elif world > 1:
-                raise RuntimeError(
+                raise AttachError(
                     "stragglerwatch: WORLD_SIZE > 1 but torch.distributed is not initialised; "
                     "call attach() after init_process_group(), or set STRAGGLERWATCH_RUN_DIR"
                 )
             else:
                 run_id = new_run_id()
         path = Path("stragglerwatch-runs") / run_id
-    return RunInfo(run_id, path, rank, local_rank, world, socket.gethostname())
+    return RunInfo(run_id, path, rank, local_rank, world, socket.gethostname(), restart, attach)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

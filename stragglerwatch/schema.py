@@ -10,7 +10,8 @@ Versioning: ``SCHEMA_VERSION`` is ``MAJOR.MINOR``. Readers accept any minor
 version of their major (new columns are additive) and refuse other majors; a
 column an older minor version lacks is derived from what it has
 (:func:`upgrade`). 1.1 added ``collective_wait_s``, ``eval_s`` and ``comm_wait_s``:
-before it, the gradient all-reduce was the only communication subtracted.
+before it, the gradient all-reduce was the only communication subtracted. 1.2 added
+``restart`` and ``attach``: a record is identified by (rank, restart, attach, step).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 SCHEMA_MAJOR = SCHEMA_VERSION.split(".")[0]
 META_KEY = b"stragglerwatch.schema_version"
 
@@ -58,6 +59,8 @@ class StepRecord(NamedTuple):
     bucket_index: list[int]
     bucket_ready_s: list[float]  # seconds after step start when each bucket's grads were ready
     bucket_allreduce_s: list[float]  # seconds from bucket ready to its all-reduce done
+    restart: int = 0  # torchrun's restart count of the worker group (TORCHELASTIC_RESTART_COUNT)
+    attach: int = 0  # the process's earlier attach() calls: steps count from 0 again at each
 
 
 STEP_SCHEMA = pa.schema(
@@ -74,6 +77,8 @@ STEP_SCHEMA = pa.schema(
         pa.field("bucket_index", pa.list_(pa.int32())),
         pa.field("bucket_ready_s", pa.list_(pa.float64())),
         pa.field("bucket_allreduce_s", pa.list_(pa.float64())),
+        pa.field("restart", pa.int32()),
+        pa.field("attach", pa.int32()),
     ],
     metadata={META_KEY: SCHEMA_VERSION.encode()},
 )
@@ -109,11 +114,14 @@ def schema_compatible(schema: pa.Schema) -> str | None:
 
 
 #: Columns added after 1.0, and how a file without them is read: before 1.1 only the
-#: gradient all-reduce was subtracted, and evaluation was not told apart.
+#: gradient all-reduce was subtracted, and evaluation was not told apart; before 1.2 a
+#: run had one attempt.
 _DERIVED = {
     "collective_wait_s": lambda t: pa.array(np.zeros(t.num_rows)),
     "eval_s": lambda t: pa.array(np.zeros(t.num_rows)),
     "comm_wait_s": lambda t: t["allreduce_wait_s"],
+    "restart": lambda t: pa.array(np.zeros(t.num_rows, dtype=np.int32)),
+    "attach": lambda t: pa.array(np.zeros(t.num_rows, dtype=np.int32)),
 }
 
 

@@ -125,6 +125,8 @@ def _rank_table(arrays: dict[str, np.ndarray], rank: int, start_time: np.ndarray
         "step": pa.array(np.arange(n, dtype=np.int64)),
         "start_time": pa.array(start_time),
         "micro_batches": pa.array(np.ones(n, dtype=np.int32)),
+        "restart": pa.array(np.zeros(n, dtype=np.int32)),
+        "attach": pa.array(np.zeros(n, dtype=np.int32)),
         "timing": pa.repeat(pa.scalar("host"), n),
         **empty_lists,
     }

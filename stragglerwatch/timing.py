@@ -142,7 +142,9 @@ def _closed(pairs: Iterable[Any]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in pairs if b is not None]
 
 
-def anatomy(m: StepMarks, rank: int, wall_anchor: float, timing: str = "host") -> StepRecord:
+def anatomy(
+    m: StepMarks, rank: int, wall_anchor: float, timing: str = "host", restart: int = 0, attach: int = 0
+) -> StepRecord:
     """The step record of resolved (float, seconds) marks. Pure.
 
     ``wall_anchor`` is ``time.time() - time.perf_counter()`` taken once, so that
@@ -191,6 +193,8 @@ def anatomy(m: StepMarks, rank: int, wall_anchor: float, timing: str = "host") -
         bucket_index=indices,
         bucket_ready_s=ready_s,
         bucket_allreduce_s=allreduce_s,
+        restart=restart,
+        attach=attach,
     )
 
 

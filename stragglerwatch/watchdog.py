@@ -19,13 +19,20 @@ swallowed and counted: the watchdog never harms training.
 Shutdown evidence: a SIGTERM handler (torchrun's teardown) and an uncaught-exception
 hook record what the rank was doing. A rank blocked in native code (waiting in a
 collective) cannot run Python signal handlers, so the signal also wakes this thread
-through ``signal.set_wakeup_fd``: it records and flushes, and if the main thread
-still has not handled the signal after ``exit_grace_s``, exits the process (status
-143 = 128 + SIGTERM) as the default action would have.
+through ``signal.set_wakeup_fd``: it records and flushes. Only when nobody else handles
+SIGTERM (ours is the handler, none came before it) and the main thread still has not
+handled the signal after ``exit_grace_s`` does it end the process (status 143 = 128 +
+SIGTERM), as the default action would have; an application's own handler, installed
+before or after attach, always runs to completion.
+
+A rank stuck in native code while holding the GIL stops this thread too: then
+:class:`NativeStacks` (``faulthandler`` on a timer this thread keeps re-arming) writes
+every thread's stack to ``stacks-NNNNN.txt``.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import select
@@ -41,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from .hangs import classify, local_verdict
+from .log import Problems
 from .probes import StepProbe
 
 
@@ -126,6 +134,7 @@ class PeerBoard:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.errors = 0
+        self.operations = 0  # store operations made to read the peers (for the load benchmark)
         self._client: Any = None
         self._address: tuple[str, int] | None = self._store_address()
 
@@ -163,19 +172,89 @@ class PeerBoard:
             return False
 
     def read(self) -> dict[int, dict[str, Any] | None] | None:
-        """Every rank's latest note (None where there is none); None if the store is unreachable."""
+        """Every rank's latest note (None where there is none); None if the store is unreachable.
+
+        Two store operations whatever the world size (``check`` and ``multi_get`` of every
+        rank's key, which each rank set when its watchdog started); one key at a time only on
+        a store without ``multi_get`` or when a rank never published."""
         try:
             store = self._store()
             if store is None:
                 return None
+            keys = [self.prefix + str(r) for r in range(self.world_size)]
+            self.operations += 1
+            if hasattr(store, "multi_get") and store.check(keys):
+                self.operations += 1
+                return {r: _note(v) for r, v in enumerate(store.multi_get(keys))}
             out: dict[int, dict[str, Any] | None] = {}
-            for r in range(self.world_size):
-                key = self.prefix + str(r)
-                out[r] = json.loads(store.get(key)) if store.check([key]) else None
+            for r, key in enumerate(keys):
+                self.operations += 1
+                if store.check([key]):
+                    self.operations += 1
+                    out[r] = _note(store.get(key))
+                else:
+                    out[r] = None
             return out
         except Exception:
             self.errors += 1
             return None
+
+
+def _note(raw: bytes) -> dict[str, Any] | None:
+    try:
+        note = json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    return note if isinstance(note, dict) else None
+
+
+class NativeStacks:
+    """Stacks of a rank stuck in native code holding the GIL, where no Python thread can run.
+
+    The watchdog thread re-arms ``faulthandler.dump_traceback_later`` about once a second with a
+    timeout of its stall threshold; if it cannot run that long (the GIL is held), faulthandler's
+    C thread writes every thread's stack to ``stacks-NNNNN.txt``. ``collect`` returns what a
+    dump added, once the rank runs again; if it never does, the file is the evidence."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file: Any = None
+        self._armed_at = -1e9
+        self._seen = 0
+
+    def arm(self, timeout_s: float) -> None:
+        now = time.monotonic()
+        if now - self._armed_at < 1.0:
+            return
+        if self._file is None:
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - faulthandler writes to its fd
+            self._seen = self.path.stat().st_size
+        faulthandler.dump_traceback_later(timeout_s, repeat=False, file=self._file, exit=False)
+        self._armed_at = now
+
+    def collect(self) -> str | None:
+        if self._file is None:
+            return None
+        size = self.path.stat().st_size
+        if size <= self._seen:
+            return None
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            f.seek(self._seen)
+            text = f.read()
+        self._seen = size
+        return text
+
+    def pause(self) -> None:
+        """Disarm until the next ``arm`` (while the watchdog thread waits on purpose)."""
+        if self._file is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._armed_at = -1e9
+
+    def cancel(self) -> None:
+        if self._file is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._file.close()
+            self._file = None
 
 
 class Watchdog:
@@ -196,8 +275,14 @@ class Watchdog:
         poll_s: float = 0.2,
         wall_anchor: float = 0.0,
         flush: Callable[[], None] | None = None,
+        native: NativeStacks | None = None,
+        ids: dict[str, Any] | None = None,
+        problems: Problems | None = None,
     ):
         self.probe = probe
+        self.native = native
+        self.ids = ids or {}  # restart and attach, on every event
+        self.problems = problems or Problems()
         self.events = events
         self.rank = rank
         self.world_size = world_size
@@ -214,6 +299,8 @@ class Watchdog:
         self._wakeup: int | None = None
         self._terminated = threading.Event()
         self.exit_grace_s = 2.0
+        # does SIGTERM still mean the default action (set by ShutdownHooks): exit if the main thread cannot
+        self.exits_by_default: Callable[[], bool] = lambda: False
         self._thread = threading.Thread(target=self._run, name=f"stragglerwatch-watchdog-{rank}", daemon=True)
 
     def start(self) -> None:
@@ -223,6 +310,11 @@ class Watchdog:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
+        if self.native is not None:
+            try:
+                self.native.cancel()
+            except Exception:
+                self.errors += 1
 
     def threshold(self) -> float:
         if self.timeout_s:
@@ -242,18 +334,30 @@ class Watchdog:
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         step, phase, since = self.probe.where
         ev = {"kind": kind, "rank": self.rank, "step": step, "phase": phase, "since": self._wall + since,
-              "detected_at": time.time()}  # fmt: skip
+              "detected_at": time.time(), **self.ids}  # fmt: skip
         ev.update(fields)
         self.events.write(ev)
         return ev
 
     def _run(self) -> None:
+        if self.board is not None:  # every rank's key exists from the start: the peers read them in one go
+            self.board.publish({"step": 0, "phase": "idle", "at": time.time()})
         while not self._stop.is_set():
             try:
                 self._poll()
-            except Exception:  # never let the watchdog die of our own bug, nor harm training
+                self._native()
+            except Exception as exc:  # never let the watchdog die of our own bug, nor harm training
                 self.errors += 1
+                self.problems.report("watchdog", f"watchdog: {type(exc).__name__}: {exc}")
             self._wait()
+
+    def _native(self) -> None:
+        if self.native is None:
+            return
+        dumped = self.native.collect()
+        if dumped:  # we could not run for a whole threshold: the GIL was held, in native code
+            self._event("native_stacks", stacks={"faulthandler": dumped[-20000:]})
+        self.native.arm(max(self.threshold(), self.floor_s) + 2 * self.poll_s)
 
     def _wait(self) -> None:
         if self._wakeup is None:
@@ -287,6 +391,8 @@ class Watchdog:
         self.timeouts_by_phase[phase] = self.timeouts_by_phase.get(phase, 0) + 1
         ev = self._event("stall", id=stall_id, waited_s=round(now - since, 3), threshold_s=round(threshold, 3),
                          collectives=collective_counts(), stacks=thread_stacks())  # fmt: skip
+        if self.native is not None:  # this thread is busy on purpose now: no dump for that
+            self.native.pause()
         self._diagnose(ev, grace_s=max(2.0, 2 * statistics.median(self.probe.recent_steps or [0.0])))
 
     def _diagnose(self, stall: dict[str, Any], grace_s: float) -> None:
@@ -319,12 +425,12 @@ class Watchdog:
             self._flush()
         except Exception:
             self.errors += 1
-        if from_thread and self._exit_if_stuck:
-            # the main thread cannot run the Python handler while blocked in native code
+        if from_thread and self.exits_by_default():
+            # nobody but us handles SIGTERM, and the main thread, blocked in native code, cannot run our
+            # handler: end the process as the default action would, unless it ends or is handled first
             time.sleep(self.exit_grace_s)
-            os._exit(128 + signal.SIGTERM)
-
-    _exit_if_stuck = False
+            if self.exits_by_default():
+                os._exit(128 + signal.SIGTERM)
 
 
 class ShutdownHooks:
@@ -353,9 +459,19 @@ class ShutdownHooks:
             else:
                 self._pipe = (r, w)
                 watchdog._wakeup = r
-                watchdog._exit_if_stuck = self._prev_handler in (signal.SIG_DFL, None)
+                watchdog.exits_by_default = self._exits_by_default
         except (ValueError, OSError):
             pass
+
+    def _exits_by_default(self) -> bool:
+        """True while ours is the SIGTERM handler and there was none before it: then the default
+        action (ending the process) is what SIGTERM means. A handler of the application's,
+        installed before attach (we chain to it) or after (it replaced ours), is never overridden."""
+        try:
+            ours = signal.getsignal(signal.SIGTERM) == self._on_sigterm
+            return ours and self._prev_handler in (signal.SIG_DFL, None)
+        except Exception:
+            return False
 
     def _excepthook(self, exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         if not issubclass(exc_type, KeyboardInterrupt):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -81,7 +82,7 @@ def test_gap_before_forward_is_data_wait_without_wrap(tmp_path: Path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with stragglerwatch.attach(model, tmp_path / "run", optimizer=opt) as watch:
         train(model, opt, SlowData(4, 0.015))
-        assert repr(watch).startswith("Watch(run='run', rank=0, steps=4")
+        assert re.match(r"Watch\(run='run-[0-9a-f]{6}', rank=0, steps=4, open\)", repr(watch)), repr(watch)
     df = stragglerwatch.load_run(tmp_path / "run")
     assert len(df) == 4
     # step 0 starts at its first forward (nothing earlier is known); later steps wait ~15 ms

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import socket
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -21,10 +20,10 @@ from torch.utils import _pytree
 
 import stragglerwatch
 from stragglerwatch.cli import main as cli
+from stragglerwatch.coverage import UNSEEN_WRAPPERS
 from stragglerwatch.probes import _grad_tensors
 from stragglerwatch.schema import PHASE_COLUMNS
 from stragglerwatch.taps import scaler_class, tap_collectives, tap_scaler, work_class
-from stragglerwatch.watch import UNSEEN_WRAPPERS
 
 
 @pytest.fixture
@@ -150,10 +149,16 @@ def analyze_json(run: Path, capsys: pytest.CaptureFixture[str]) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_compiled_module_is_busy_unavailable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def said(caplog: pytest.LogCaptureFixture, text: str) -> int:
+    """How many lines of the stragglerwatch logger contain ``text``."""
+    return sum(text in r.getMessage() for r in caplog.records if r.name == "stragglerwatch")
+
+
+def test_compiled_module_is_busy_unavailable(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     compiled = torch.compile(nn.Linear(8, 2))  # an OptimizedModule; never called, so nothing compiles
-    with pytest.warns(UserWarning, match="busy time unavailable: a torch.compile'd module"):
+    with caplog.at_level("WARNING", logger="stragglerwatch"):
         watch = stragglerwatch.attach(compiled, tmp_path / "run", watchdog_timeout_s=0)
+    assert said(caplog, "busy time unavailable: a torch.compile'd module") == 1
     assert watch.stats()["busy_unavailable"] == [UNSEEN_WRAPPERS["OptimizedModule"]]
     watch.close()
     meta = json.loads((tmp_path / "run" / "rank-00000.json").read_text())
@@ -161,20 +166,22 @@ def test_compiled_module_is_busy_unavailable(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_unseen_communication_in_a_multi_rank_job(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A plain module in a job of two ranks (rank 1 simulated by its absence): no collective is ever seen."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     model = nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with stragglerwatch.attach(model, tmp_path / "run", watchdog_timeout_s=0):
-            for _ in range(12):
-                model(torch.randn(4, 8)).sum().backward()
-                opt.step()
-    assert sum("no collective was seen in 10 steps" in str(w.message) for w in caught) == 1, "warned once"
+    logged = caplog.at_level("WARNING", logger="stragglerwatch")
+    with logged, stragglerwatch.attach(model, tmp_path / "run", watchdog_timeout_s=0):
+        for _ in range(12):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+    assert said(caplog, "no collective was seen in 10 steps") == 1, "said once"
     r = analyze_json(tmp_path / "run", capsys)
     assert r["stragglers"] == [] and r["job_slowdown"] is None
     (unavailable,) = r["busy_unavailable"]
@@ -184,7 +191,9 @@ def test_unseen_communication_in_a_multi_rank_job(
     assert "busy time unavailable: a multi-rank job" in text and "no consistently slow rank" not in text
 
 
-def test_ddp_output_without_gradient_is_busy_unavailable(one_rank_group, tmp_path: Path) -> None:
+def test_ddp_output_without_gradient_is_busy_unavailable(
+    one_rank_group, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     class Detached(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -198,11 +207,12 @@ def test_ddp_output_without_gradient_is_busy_unavailable(one_rank_group, tmp_pat
 
     model = DDP(Detached())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    warns = pytest.warns(UserWarning, match="no tensor of the model's output needs a gradient")
-    with warns, stragglerwatch.attach(model, tmp_path / "run", watchdog_timeout_s=0):
+    logged = caplog.at_level("WARNING", logger="stragglerwatch")
+    with logged, stragglerwatch.attach(model, tmp_path / "run", watchdog_timeout_s=0):
         for _ in range(3):
             model(torch.randn(4, 8))
             model.module.loss.backward()
             opt.step()
+    assert said(caplog, "no tensor of the model's output needs a gradient") == 1
     meta = json.loads((tmp_path / "run" / "rank-00000.json").read_text())
     assert any("no tensor of the model's output needs a gradient" in r for r in meta["busy_unavailable"])

@@ -48,7 +48,7 @@ def test_promtool_checks_and_unit_tests_the_rules(tmp_path: Path) -> None:
     assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
 
 
-def test_exporter_series_labels_sd_file_and_port_in_use(tmp_path: Path) -> None:
+def test_exporter_series_labels_sd_file_and_port_in_use(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     port = free_ports(1)
     model = nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -59,10 +59,12 @@ def test_exporter_series_labels_sd_file_and_port_in_use(tmp_path: Path) -> None:
         opt.step()
     watch.flush()
     families = scrape(port)
+    run_id = watch.info.run_id
+    assert run_id.startswith("run-"), "the run dir's name and a suffix unique to the job"
     names = ["step_seconds", "busy_seconds", "phase_seconds", "steps", "last_step_timestamp_seconds", "stalled"]
     for name in (f"stragglerwatch_{n}" for n in names):
         samples = families[name].samples
-        assert samples and all(s.labels["run"] == "run" and s.labels["rank"] == "0" for s in samples), name
+        assert samples and all(s.labels["run"] == run_id and s.labels["rank"] == "0" for s in samples), name
     steps = families["stragglerwatch_steps"].samples[0]
     assert steps.name == "stragglerwatch_steps_total" and steps.value == 12
     phases = {s.labels["phase"] for s in families["stragglerwatch_phase_seconds"].samples}
@@ -72,11 +74,13 @@ def test_exporter_series_labels_sd_file_and_port_in_use(tmp_path: Path) -> None:
     assert info.labels["local_rank"] == "0" and info.labels["host"] == socket.gethostname()
     (sd,) = run.glob("stragglerwatch-*.json")
     assert json.loads(sd.read_text()) == [
-        {"targets": [f"127.0.0.1:{port}"], "labels": {"run": "run", "rank": "0", "host": socket.gethostname()}}
+        {"targets": [f"127.0.0.1:{port}"], "labels": {"run": run_id, "rank": "0", "host": socket.gethostname()}}
     ]
-    with pytest.warns(UserWarning, match="Address already in use"):  # a second job on the same port
+    with caplog.at_level("WARNING", logger="stragglerwatch"):  # a second job on the same port
         other = stragglerwatch.attach(nn.Linear(2, 2), tmp_path / "other", prometheus_port=port,
                                       prometheus_addr="127.0.0.1")  # fmt: skip
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "stragglerwatch"]
+    assert "Address already in use" in line and "training continues" in line
     assert other.stats()["exporter_errors"] == 1 and other.stats()["metrics_port"] is None
     other.close()
     from prometheus_client import REGISTRY

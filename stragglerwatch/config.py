@@ -1,0 +1,139 @@
+"""Everything ``attach`` can be told, in one place: :class:`Config`.
+
+Design: each field is an ``attach`` keyword argument of the same name; a few can also come
+from the job's environment (``STRAGGLERWATCH_*``), so a launcher can switch them on without
+touching the training script. An argument given to ``attach`` wins over the environment,
+which wins over the default. :meth:`Config.resolve` applies that order once, at attach
+time; nothing reads the environment afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from .log import Problems
+
+#: Environment variable of each field that has one.
+ENV = {
+    "run_dir": "STRAGGLERWATCH_RUN_DIR",
+    "run_id": "STRAGGLERWATCH_RUN_ID",
+    "prometheus_port": "STRAGGLERWATCH_PROMETHEUS_PORT",
+    "prometheus_addr": "STRAGGLERWATCH_PROMETHEUS_ADDR",
+    "sd_dir": "STRAGGLERWATCH_SD_DIR",
+}
+DISABLE_ENV = "STRAGGLERWATCH_DISABLE"
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """How one model is watched. Every field is also an ``attach`` keyword argument."""
+
+    run_dir: str | os.PathLike[str] | None = None
+    """Where all ranks write. Default: ``$STRAGGLERWATCH_RUN_DIR``, else
+    ``./stragglerwatch-runs/<run id>``."""
+
+    run_id: str | None = None
+    """The run's name in reports, Prometheus labels and target files (``$STRAGGLERWATCH_RUN_ID``).
+    Default: the run dir's name plus a suffix unique to the job, or the run id already in the run
+    dir's ``run.json`` (a restart continues its run)."""
+
+    optimizer: Any = None
+    """The optimizer whose ``step()`` ends a training step. Default: the last optimizer to step
+    in an iteration, learned from the first one. Every optimizer's ``step()`` is optimizer time."""
+
+    watchdog_timeout_s: float | None = None
+    """Seconds without progress before the watchdog records a stall. Default ``None`` adapts: 10x
+    the median recent step, at least 10 s (60 s until three steps are done); ``0`` turns it off."""
+
+    native_stacks: bool = True
+    """Also dump the stacks of a rank stuck in native code holding the GIL (which the watchdog
+    thread cannot do), with ``faulthandler`` on a timer into ``stacks-NNNNN.txt``. Turn it off
+    if the application arms ``faulthandler.dump_traceback_later`` itself (there is only one)."""
+
+    prometheus_port: int | None = None
+    """Serve ``/metrics`` on this port plus the local rank (``$STRAGGLERWATCH_PROMETHEUS_PORT``).
+    Default: no exporter."""
+
+    prometheus_addr: str | None = None
+    """The exporter's bind address (``$STRAGGLERWATCH_PROMETHEUS_ADDR``). Default ``0.0.0.0``."""
+
+    sd_dir: str | os.PathLike[str] | None = None
+    """Where the exporter writes its file_sd target file (``$STRAGGLERWATCH_SD_DIR``). Default:
+    the run dir."""
+
+    role: str | None = None
+    """This rank's peer group, e.g. ``"stage3"`` of a pipeline: ranks are compared only within it."""
+
+    bucket_timings: bool = False
+    """Also record each gradient bucket's ready time and all-reduce duration, through a DDP
+    communication hook (costs host time per bucket)."""
+
+    comm_hook: Any = None
+    """``(state, hook)``: your own DDP communication hook, registered and timed by stragglerwatch
+    (implies ``bucket_timings``; PyTorch allows one comm hook per model)."""
+
+    flush_interval_s: float = 1.0
+    """How often the log thread writes the finished steps (and the most a crash can lose)."""
+
+    fsync_interval_s: float = 10.0
+    """How often the step log is also fsynced: what a machine crash (not a process crash) can lose."""
+
+    enabled: bool = True
+    """``False`` (or ``$STRAGGLERWATCH_DISABLE=1``) makes ``attach`` a no-op returning an inert handle."""
+
+    @classmethod
+    def resolve(
+        cls,
+        base: Config | None = None,
+        environ: Mapping[str, str] | None = None,
+        problems: Problems | None = None,
+        **given: Any,
+    ) -> Config:
+        """``base`` (or the defaults), then the environment, then the arguments ``given`` (those not
+        None). Raises :class:`ConfigError` for an argument that cannot be used; an environment
+        value that cannot is reported to ``problems`` and ignored (a typo in a launcher's
+        environment must not stop the job)."""
+        env = os.environ if environ is None else environ
+        config = base or cls()
+        from_env: dict[str, Any] = {}
+        for name, var in ENV.items():
+            value = env.get(var, "").strip()
+            if value and getattr(config, name) is None:
+                from_env[name] = value
+        if "prometheus_port" in from_env:
+            try:
+                from_env["prometheus_port"] = int(from_env["prometheus_port"])
+                if not 0 < from_env["prometheus_port"] < 65536:
+                    raise ValueError
+            except ValueError:
+                if problems is not None:
+                    problems.report("config", f"{ENV['prometheus_port']}={from_env['prometheus_port']!r} is not a "
+                                    "port: no exporter")  # fmt: skip
+                del from_env["prometheus_port"]
+        if env.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
+            from_env["enabled"] = False
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {unknown}")
+        explicit = {k: v for k, v in given.items() if v is not None}
+        if from_env.get("enabled") is False:
+            explicit.pop("enabled", None)
+        config = replace(config, **from_env, **explicit)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        if self.flush_interval_s <= 0 or self.fsync_interval_s < 0:
+            raise ConfigError("flush_interval_s must be > 0 and fsync_interval_s >= 0")
+        if self.watchdog_timeout_s is not None and self.watchdog_timeout_s < 0:
+            raise ConfigError("watchdog_timeout_s must be >= 0 (0 turns the watchdog off)")
+        if self.prometheus_port is not None and not 0 < int(self.prometheus_port) < 65536:
+            raise ConfigError(f"prometheus_port {self.prometheus_port} is not a port")
