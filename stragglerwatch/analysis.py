@@ -145,9 +145,26 @@ def analyze_run(
     report["run_dir"] = str(path)
     events, bad = read_events(path)
     report["hangs"] = hangs_from_events(events, report["world_size"], last_steps(mat))
+    _native_dumps(path, report["hangs"])
     report["events"] = {"count": len(events), "skipped_lines": bad}
     report["attempts"] = attempts
     return Analysis(report, mat, verdict)
+
+
+def _native_dumps(run_dir: Path, hangs: list[dict[str, Any]]) -> None:
+    """A culprit that never ran Python again (stuck holding the GIL, then killed) left only
+    faulthandler's dump in ``stacks-NNNNN.txt``: its last dump becomes its stacks."""
+    for hang in hangs:
+        for rank in hang.get("culprit_ranks", []):
+            if str(rank) in (hang.get("stacks") or {}):
+                continue
+            try:
+                text = (run_dir / f"stacks-{int(rank):05d}.txt").read_text(encoding="utf-8", errors="replace")
+            except OSError:
+                continue
+            dumps = [d for d in text.split("Timeout (") if d.strip()]
+            if dumps:
+                hang.setdefault("stacks", {})[str(rank)] = {"faulthandler": "Timeout (" + dumps[-1][-20000:]}
 
 
 def global_steps(

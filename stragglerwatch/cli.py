@@ -324,6 +324,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as exc:  # a bug of ours, or an input no check foresaw: one line, not a traceback
+        if os.environ.get("STRAGGLERWATCH_DEBUG"):
+            raise
+        print(f"stragglerwatch: error: {type(exc).__name__}: {exc} (STRAGGLERWATCH_DEBUG=1 shows where)",
+              file=sys.stderr)  # fmt: skip
+        return 2
 
 
 if __name__ == "__main__":

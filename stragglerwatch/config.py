@@ -126,7 +126,7 @@ class Config:
         explicit = {k: v for k, v in given.items() if v is not None}
         if from_env.get("enabled") is False:
             explicit.pop("enabled", None)
-        config = replace(config, **from_env, **explicit)
+        config = replace(config, **{**from_env, **explicit})
         config.check()
         return config
 

@@ -274,13 +274,14 @@ def _read_stream(path: Path, quiet: bool = False) -> pa.Table | None:
                 return None
             try:
                 for batch in reader:
+                    batch.validate(full=True)  # a batch whose bytes were damaged is where the readable part ends
                     batches.append(batch)
-            except (pa.ArrowInvalid, OSError, EOFError) as exc:
+            except (pa.ArrowException, OSError, EOFError, ValueError) as exc:
                 warn(f"{path}: truncated after {sum(len(b) for b in batches)} steps (rank killed?): {exc}")
             return pa.Table.from_batches(batches, schema=reader.schema)
     except FileNotFoundError:
         raise
-    except (pa.ArrowInvalid, OSError, EOFError) as exc:
+    except (pa.ArrowException, OSError, EOFError, ValueError) as exc:
         if path.stat().st_size == 0:
             return None  # created, nothing flushed yet
         warn(f"{path}: skipped: not an Arrow stream ({exc})")
@@ -306,7 +307,7 @@ def _read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table | No
             return None
         wanted = read_columns(file_schema.names, columns) if columns is not None else None
         table = pq.read_table(path, columns=wanted)
-    except (pa.ArrowInvalid, OSError) as exc:
+    except (pa.ArrowException, OSError, ValueError) as exc:
         _warn(f"{path}: skipped: unreadable Parquet ({exc})")
         return None
     return table
@@ -361,7 +362,12 @@ def read_logs(
     for i, f in enumerate(files):
         table = _read_log(f, names)
         if table is not None and table.num_rows:
-            tables.append(upgrade(table, names).cast(schema))
+            try:
+                table = upgrade(table, names).cast(schema)
+            except (pa.ArrowException, ValueError, KeyError) as exc:
+                _warn(f"{f}: skipped: its columns cannot be read as a step log ({exc})")
+                continue
+            tables.append(table)
             ranks.update(pc.unique(table["rank"]).to_pylist())
         if progress:
             progress(i + 1, len(files))

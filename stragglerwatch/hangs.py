@@ -139,13 +139,29 @@ def hangs_from_events(
                 "threshold_s": first.get("threshold_s"),
                 "evidence": "store" if heard_all else "local",
                 "recovered": bool(recovered),
-                "stacks": {str(e["rank"]): e.get("stacks", {}) for e in culprit_events if e.get("stacks")},
+                "stacks": _culprit_stacks(culprit_events, events, verdict["culprit_ranks"], first),
             }
         )
     shutdown = _shutdown_hang(events, world_size, last_steps or {})
     if shutdown is not None:
         hangs.append(shutdown)
     return hangs
+
+
+def _culprit_stacks(
+    stalls: list[dict[str, Any]], events: list[dict[str, Any]], culprits: list[int], first: dict[str, Any]
+) -> dict[str, dict[str, str]]:
+    """Each culprit's stacks: faulthandler's dump when the rank was stuck in native code holding
+    the GIL (its own watchdog could not run then, so its stall event came late), else the stacks
+    its watchdog took at the stall."""
+    out = {str(e["rank"]): e["stacks"] for e in stalls if e.get("stacks")}
+    start = first.get("detected_at", 0.0) - (first.get("threshold_s") or 0.0)
+    for ev in sorted(events, key=lambda e: e.get("detected_at", 0.0)):
+        rank = ev.get("rank")
+        if ev.get("kind") == "native_stacks" and rank in culprits and ev.get("detected_at", 0.0) >= start:
+            out[str(rank)] = ev.get("stacks") or {}
+            culprits = [r for r in culprits if r != rank]  # the first dump after the stall
+    return out
 
 
 def local_verdict(states: dict[int, dict[str, Any] | None], world_size: int) -> dict[str, Any]:

@@ -92,7 +92,12 @@ def hang_line(h: dict[str, Any]) -> str:
 
 
 def main_stack(stacks: dict[str, str], lines: int = 8) -> str:
-    """The last lines of the main thread's stack (where the culprit is stuck)."""
+    """The last lines of the main thread's stack (where the culprit is stuck); of a faulthandler
+    dump (most recent call first), the first lines of the thread that runs ``<module>``."""
+    if "faulthandler" in stacks:
+        blocks = stacks["faulthandler"].split("\n\n")
+        main_block = next((b for b in blocks if "<module>" in b), blocks[-1]).strip().splitlines()
+        return "\n".join(["(stuck in native code holding the GIL; most recent call first)", *main_block[1 : lines + 1]])
     main = next((v for k, v in stacks.items() if k.startswith("MainThread")), None)
     if main is None and stacks:
         main = next(iter(stacks.values()))

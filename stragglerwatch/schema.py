@@ -100,6 +100,13 @@ def records_to_batch(records: list[StepRecord]) -> pa.RecordBatch:
 
 def schema_compatible(schema: pa.Schema) -> str | None:
     """None when a file with this schema can be read, else the reason it cannot."""
+    try:
+        return _compatible(schema)
+    except (UnicodeDecodeError, ValueError, TypeError) as exc:  # a damaged schema block
+        return f"unreadable schema ({type(exc).__name__})"
+
+
+def _compatible(schema: pa.Schema) -> str | None:
     meta = schema.metadata or {}
     version = meta.get(META_KEY)
     if version is None:

@@ -26,6 +26,7 @@ from .whatif import COMPUTE, P2P, build_graph, makespan
 P2P_OPS = (*P2P, *(recv for recv, _ in P2P.values()))
 
 REQUIRED = ("dp_rank", "stage", "rank", "step", "optype", "start_ts", "duration", "seq_id")
+INTEGERS = ("dp_rank", "stage", "rank", "step", "seq_id")
 
 
 class TraceError(Exception):
@@ -56,8 +57,20 @@ def read_trace(path: str | Path) -> pd.DataFrame:
     missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
         raise TraceError(f"{path}: missing columns {missing}")
-    bad = ~np.isfinite(df["duration"]) | (df["duration"] < 0)
-    return df.loc[~bad].reset_index(drop=True)
+    try:
+        for col in REQUIRED:
+            if col != "optype":
+                df[col] = pd.to_numeric(df[col], errors="coerce")
+        df["optype"] = df["optype"].astype(str)
+    except (TypeError, ValueError) as exc:
+        raise TraceError(f"{path}: columns of the wrong type ({exc})") from None
+    bad = df[list(INTEGERS)].isna().any(axis=1) | ~np.isfinite(df["duration"]) | (df["duration"] < 0)
+    bad |= ~np.isfinite(df["start_ts"])
+    df = df.loc[~bad].reset_index(drop=True)
+    if df.empty:
+        raise TraceError(f"{path}: no operation with a valid start and duration")
+    df[list(INTEGERS)] = df[list(INTEGERS)].astype(np.int64)
+    return df
 
 
 def worker_frame(df: pd.DataFrame) -> pd.DataFrame:

@@ -310,6 +310,8 @@ class Watchdog:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
+        if self._stall is not None and self.probe.where != self._stall["where"]:  # recovered, not yet noticed
+            self.record("recovery", stall_id=self._stall["id"])
         if self.native is not None:
             try:
                 self.native.cancel()
@@ -331,8 +333,8 @@ class Watchdog:
         except Exception:
             self.errors += 1
 
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        step, phase, since = self.probe.where
+    def _event(self, kind: str, where: tuple[int, str, float] | None = None, **fields: Any) -> dict[str, Any]:
+        step, phase, since = where or self.probe.where
         ev = {"kind": kind, "rank": self.rank, "step": step, "phase": phase, "since": self._wall + since,
               "detected_at": time.time(), **self.ids}  # fmt: skip
         ev.update(fields)
@@ -357,7 +359,7 @@ class Watchdog:
         dumped = self.native.collect()
         if dumped:  # we could not run for a whole threshold: the GIL was held, in native code
             self._event("native_stacks", stacks={"faulthandler": dumped[-20000:]})
-        self.native.arm(max(self.threshold(), self.floor_s) + 2 * self.poll_s)
+        self.native.arm(self.threshold() + 2.0)
 
     def _wait(self) -> None:
         if self._wakeup is None:
@@ -385,14 +387,15 @@ class Watchdog:
         threshold = self.threshold()
         if now - since <= threshold:
             return
+        if self.native is not None:  # this thread is busy on purpose from here: no dump for that
+            self.native.pause()
         stall_id = f"{self.rank}-{step}-{int(self._wall + since)}"
         self._stall = {"id": stall_id, "where": (step, phase, since), "t": since}
         self.stalled = True
         self.timeouts_by_phase[phase] = self.timeouts_by_phase.get(phase, 0) + 1
-        ev = self._event("stall", id=stall_id, waited_s=round(now - since, 3), threshold_s=round(threshold, 3),
-                         collectives=collective_counts(), stacks=thread_stacks())  # fmt: skip
-        if self.native is not None:  # this thread is busy on purpose now: no dump for that
-            self.native.pause()
+        ev = self._event("stall", (step, phase, since), id=stall_id, waited_s=round(now - since, 3),
+                         threshold_s=round(threshold, 3), collectives=collective_counts(),
+                         stacks=thread_stacks())  # fmt: skip
         self._diagnose(ev, grace_s=max(2.0, 2 * statistics.median(self.probe.recent_steps or [0.0])))
 
     def _diagnose(self, stall: dict[str, Any], grace_s: float) -> None:
@@ -402,9 +405,10 @@ class Watchdog:
         if self.board is not None and self.board.publish(own):
             self._stop.wait(grace_s)
             states = self.board.read()
-            if states is not None:  # notes from an older stall do not speak for this one
+            if states is not None:  # notes from an older stall, or of no stall, do not speak for this one
                 horizon = stall["since"] - stall["threshold_s"]
-                states = {r: s if s and s.get("at", 0) >= horizon else None for r, s in states.items()}
+                states = {r: s if s and s.get("phase") != "idle" and s.get("at", 0) >= horizon else None
+                          for r, s in states.items()}  # fmt: skip
                 states[self.rank] = own
         if states is None:  # store unreachable (rank 0's host dead?): what this rank knows itself
             verdict, evidence = local_verdict({self.rank: own}, self.world_size), "local"

@@ -12,6 +12,26 @@ from stragglerwatch.timing import StepMarks
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_TOOL_DIRS = {".pytest_cache", ".ruff_cache", ".hypothesis", "__pycache__", ".venv", ".git"}
+
+
+def _repo_entries() -> set[str]:
+    """What is in the repo's root and in the folders tests could leave runs in, tools' caches aside."""
+    out = {p.name for p in ROOT.iterdir() if p.name not in _TOOL_DIRS}
+    for folder in ("examples", "tests", "benchmarks", "stragglerwatch"):
+        out |= {f"{folder}/{p.name}" for p in (ROOT / folder).iterdir() if p.name not in _TOOL_DIRS}
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_test_writes_into_the_repo():
+    """Tests write only under their temporary directories: the working tree is the same afterwards."""
+    before = _repo_entries()
+    yield
+    new = sorted(_repo_entries() - before)
+    assert not new, f"tests left files in the repo: {new}"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests on the live Prometheus job run last and together: its 4 ranks train in the background
     from the first of them to the end of the session, and no other multi-rank job may compete with
@@ -172,6 +192,7 @@ def live_prometheus(tmp_path_factory: pytest.TempPathFactory):
     prom = None
     try:
         wait_for(lambda: len(list(run.glob("stragglerwatch-*.json"))) == 4, 90, "4 target files")
+        run_id = read_json(run / "run.json")["run_id"]
         config = tmp / "prometheus.yml"
         with open(config, "w") as f, pytest.MonkeyPatch.context() as mp:
             mp.setattr(sys, "stdout", f)
@@ -183,7 +204,7 @@ def live_prometheus(tmp_path_factory: pytest.TempPathFactory):
              f"--web.listen-address=127.0.0.1:{prom_port}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        yield SimpleNamespace(base=f"http://127.0.0.1:{prom_port}", run=run, job=job)
+        yield SimpleNamespace(base=f"http://127.0.0.1:{prom_port}", run=run, run_id=run_id, job=job)
     finally:
         job.terminate()
         if prom is not None:

@@ -15,11 +15,11 @@ from conftest import ROOT, prom_api, wait_for
 from stragglerwatch.grafana import dashboards, render
 
 DASH_DIR = ROOT / "grafana" / "dashboards"
-VARS = {"$__rate_interval": "20s", "$__interval": "5s", "$run": "run", "$rank": ".*"}
+VARS = {"$__rate_interval": "20s", "$__interval": "5s", "$rank": ".*"}
 
 
-def substitute(expr: str) -> str:
-    for var, value in VARS.items():
+def substitute(expr: str, run_id: str = "run") -> str:
+    for var, value in {**VARS, "$run": run_id}.items():
         expr = expr.replace(var, value)
     assert "$" not in expr, expr
     return expr
@@ -83,29 +83,30 @@ def test_every_query_answers_with_the_legend_labels(live_prometheus) -> None:
 
     wait_for(ready, 180, "the stall and the StragglerRank alert")
     # template variables, as Grafana's label_values() would resolve them
-    assert [s["metric"]["run"] for s in prom_api(base, "group by (run) (stragglerwatch_steps_total)")] == ["run"]
-    ranks = prom_api(base, 'group by (rank) (stragglerwatch_steps_total{run="run"})')
+    run_id = live_prometheus.run_id
+    assert [s["metric"]["run"] for s in prom_api(base, "group by (run) (stragglerwatch_steps_total)")] == [run_id]
+    ranks = prom_api(base, f'group by (rank) (stragglerwatch_steps_total{{run="{run_id}"}})')
     assert sorted(s["metric"]["rank"] for s in ranks) == ["0", "1", "2", "3"]
     for name, model in dashboards().items():
         for where, target in queries(model):
-            expr = substitute(target["expr"])
+            expr = substitute(target["expr"], run_id)
             result = prom_api(base, expr) if target.get("instant") else query_range(base, expr)
             assert result, f"{name}: {where} returned no data: {expr}"
             for label in re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")):
                 assert all(label in s["metric"] for s in result), f"{name}: {where} lacks label {label!r}"
     run = dashboards()["stragglerwatch.json"]
     (top,) = [p for p in run["panels"] if p["title"] == "Slowest ranks vs the peer median"]
-    ranking = sorted(prom_api(base, substitute(top["targets"][0]["expr"])), key=lambda s: -float(s["value"][1]))
+    ranking = sorted(prom_api(base, substitute(top["targets"][0]["expr"], run_id)), key=lambda s: -float(s["value"][1]))
     assert ranking[0]["metric"]["rank"] == "2", "the straggler tops the table"
 
     def cause_of_2() -> str:
-        rows = prom_api(base, substitute(top["targets"][1]["expr"]))
+        rows = prom_api(base, substitute(top["targets"][1]["expr"], run_id))
         return next((r["metric"]["phase"] for r in rows if r["metric"]["rank"] == "2"), "")
 
     # right after the stall, its 6 s in `other` dominate rank 2's 20 s window; then compute shows again
     wait_for(lambda: cause_of_2() in ("forward", "backward"), 90, "rank 2's cause to be compute")
     (stalls,) = [p for p in run["panels"] if p["title"] == "Watchdog: stalls"]
-    timeouts = query_range(base, substitute(stalls["targets"][0]["expr"]))
+    timeouts = query_range(base, substitute(stalls["targets"][0]["expr"], run_id))
     stalled = {
         (s["metric"]["rank"], s["metric"]["phase"]) for s in timeouts if any(float(v) > 0 for _, v in s["values"])
     }

@@ -109,7 +109,8 @@ def test_real_prometheus_scrapes_a_straggler_job(live_prometheus) -> None:
     assert all(s["value"][1] == "1" for s in up)
     steps = prom_api(base, "stragglerwatch_steps_total")
     assert sorted(int(s["metric"]["rank"]) for s in steps) == [0, 1, 2, 3]
-    assert all(s["metric"]["run"] == "run" for s in steps)
+    run_id = live_prometheus.run_id
+    assert all(s["metric"]["run"] == run_id for s in steps)
     info = prom_api(base, "stragglerwatch_rank_info")
     assert sorted(s["metric"]["local_rank"] for s in info) == ["0", "1", "2", "3"]
     ranked = prom_api(base, "sort_desc(stragglerwatch:busy_ratio:20s)")
@@ -117,9 +118,9 @@ def test_real_prometheus_scrapes_a_straggler_job(live_prometheus) -> None:
     alerts = firing()
     assert [a["metric"]["rank"] for a in alerts] == ["2"], "StragglerRank fires for the straggler and only it"
     # the same detection core, fed from Prometheus instead of the run dir
-    wait_for(lambda: len(frame_from_prometheus(base, "run", minutes=2, window="5s", step_seconds=1)) >= 4 * 24,
+    wait_for(lambda: len(frame_from_prometheus(base, run_id, minutes=2, window="5s", step_seconds=1)) >= 4 * 24,
              60, "24 s of data")  # fmt: skip
-    frame = frame_from_prometheus(base, "run", minutes=2, window="5s", step_seconds=1)
+    frame = frame_from_prometheus(base, run_id, minutes=2, window="5s", step_seconds=1)
     assert set(frame["rank"]) == {0, 1, 2, 3}
     verdict = detect(frame, DetectConfig(window=8, confirm=3))
     assert [s.rank for s in verdict.stragglers] == [2]

@@ -1,0 +1,296 @@
+"""The fault matrix (README, "What survives what"), one process at a time: each fault leaves
+training finished, nothing lost beyond the flush interval, and one clear line."""
+
+from __future__ import annotations
+
+import ast
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import warnings
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import ROOT, free_ports
+
+import stragglerwatch
+from stragglerwatch import Config, ConfigError
+from stragglerwatch.eventlog import RunDirError, log_files
+from stragglerwatch.log import Problems
+from stragglerwatch.watchdog import PeerBoard, read_events
+
+FAULTS = ROOT / "tests" / "workers" / "faults.py"
+
+
+def steps_job(out: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """faults.py in ``steps`` mode: one process training with stragglerwatch attached."""
+    cmd = [sys.executable, str(FAULTS), "steps", str(out), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def our_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("stragglerwatch:")]
+
+
+def said(caplog: pytest.LogCaptureFixture, text: str) -> int:
+    return sum(text in r.getMessage() for r in caplog.records if r.name == "stragglerwatch")
+
+
+def model_and_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(8, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+    for _ in range(n):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_bare_attach_records_every_step(tmp_path: Path) -> None:
+    """`stragglerwatch.attach(model)` without keeping the handle: every step, closed at exit."""
+    proc = steps_job(tmp_path, "--bare", "--steps", "50")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    df = stragglerwatch.load_run(tmp_path / "run")
+    assert df["step"].tolist() == list(range(50))
+    assert [p.suffix for p in log_files(tmp_path / "run")] == [".parquet"], "closed, hence compacted, at exit"
+
+
+def test_disk_full_goes_on_in_a_new_segment(tmp_path: Path) -> None:
+    """Every file may hold 40 kB (RLIMIT_FSIZE: writes past it fail, as on a full disk)."""
+    proc = steps_job(tmp_path, "--steps", "600", "--flush", "0.02", "--fsize", "40000")
+    assert proc.returncode == 0 and (tmp_path / "done").exists(), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    lines = our_lines(proc.stderr)
+    assert len(lines) == 1 and "cannot write" in lines[0], lines
+    stats = ast.literal_eval((tmp_path / "stats.txt").read_text())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cut streams are named; what they held is read
+        df = stragglerwatch.load_run(tmp_path / "run")
+    assert len(log_files(tmp_path / "run")) >= 2, "the log went on in new segments"
+    assert df["step"].is_unique and len(df) + stats["dropped_steps"] == 600, "only the failed batches are lost"
+    assert stats["dropped_steps"] < 100 and stats["write_errors"] >= 1
+
+
+def test_unwritable_run_dir_leaves_training_unwatched(caplog: pytest.LogCaptureFixture) -> None:
+    model, opt = model_and_opt()
+    with caplog.at_level("WARNING", logger="stragglerwatch"):
+        watch = stragglerwatch.attach(model, "/proc/stragglerwatch-cannot-be-here/run")
+        train(model, opt, 3)
+        watch.close()
+    assert not watch.enabled and said(caplog, "cannot write run dir") == 1
+
+
+def test_run_dir_deleted_mid_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model, opt = model_and_opt()
+    run = tmp_path / "run"
+    with caplog.at_level("WARNING", logger="stragglerwatch"):
+        watch = stragglerwatch.attach(model, run, watchdog_timeout_s=0, flush_interval_s=60)
+        train(model, opt, 5)
+        watch.flush()
+        shutil.rmtree(run)
+        train(model, opt, 5)
+        watch.flush()
+        train(model, opt, 5)
+        watch.close()
+    assert said(caplog, "was gone: made again") == 1
+    assert (run / "run.json").exists() and (run / "rank-00000.json").exists()
+    assert stragglerwatch.load_run(run)["step"].tolist() == list(range(5, 15)), "every step after the deletion"
+
+
+def test_scraper_that_hangs_blocks_nothing(tmp_path: Path) -> None:
+    port = free_ports(1)
+    model, opt = model_and_opt()
+    watch = stragglerwatch.attach(model, tmp_path / "run", prometheus_port=port, prometheus_addr="127.0.0.1")
+    hung = socket.create_connection(("127.0.0.1", port))
+    hung.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never finishes the request
+    try:
+        train(model, opt, 5)
+        t0 = time.monotonic()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        assert b"stragglerwatch_steps_total" in body and time.monotonic() - t0 < 3
+        t0 = time.monotonic()
+        watch.close()
+        assert time.monotonic() - t0 < 5, "close() does not wait for the hung scraper"
+    finally:
+        hung.close()
+
+
+def readable(run: Path) -> None:
+    """Every step log of a run dir reads (possibly cut short, which is named), and its steps run from 0."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            df = stragglerwatch.load_run(run)
+        except RunDirError:  # killed before attach wrote anything
+            assert not list(run.glob("rank-*.arrows")) and not list(run.glob("rank-*.parquet"))
+            return
+    assert df["step"].tolist() == list(range(len(df))), "no gap, no duplicate"
+    for f in run.glob("rank-*.parquet"):
+        pq.read_table(f)
+
+
+def test_sigkill_at_random_moments_leaves_readable_files(tmp_path: Path) -> None:
+    """SIGKILL 20 times, at moments spread over start-up, training, flushes and close's compaction."""
+    rng = random.Random(20261130)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for i in range(20):
+        out = tmp_path / f"kill{i}"
+        proc = subprocess.Popen([sys.executable, str(FAULTS), "steps", str(out), "--steps", "400", "--flush", "0.01"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        time.sleep(rng.uniform(1.5, 4.0))
+        killed_at = time.time()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        readable(out / "run")
+        progress = out / "progress"
+        if progress.exists() and (out / "run").exists():
+            step, at = progress.read_text().split() if progress.read_text() else ("-1", "0")
+            if float(at) < killed_at - 0.5:  # steps older than the flush interval (and a margin) are kept
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    assert stragglerwatch.load_run(out / "run")["step"].max() >= int(step) - 50
+
+
+def test_wall_clock_jump_changes_no_duration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = model_and_opt()
+    with stragglerwatch.attach(model, tmp_path / "run", watchdog_timeout_s=0.5) as watch:
+        train(model, opt, 5)
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 3600.0)  # NTP stepped the clock an hour ahead
+        train(model, opt, 5)
+        time.sleep(0.2)
+        assert not watch.stats()["stalled"]
+    df = stragglerwatch.load_run(tmp_path / "run")
+    assert len(df) == 10 and (df["step_s"] < 1.0).all() and df["start_time"].is_monotonic_increasing
+    assert [e["kind"] for e in read_events(tmp_path / "run")[0]] == ["closed"], "no false stall"
+
+
+def test_bad_files_in_a_run_dir_are_named_not_fatal(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    model, opt = model_and_opt()
+    with stragglerwatch.attach(model, run, watchdog_timeout_s=0):
+        train(model, opt, 8)
+    good = run / "rank-00000.parquet"
+    (run / "rank-00001.parquet").write_bytes(good.read_bytes()[: good.stat().st_size // 2])  # truncated
+    pq.write_table(pa.table({"x": [1, 2]}), run / "rank-00002.parquet")  # foreign
+    (run / "rank-00003.arrows").write_bytes(os.urandom(3000))  # corrupted
+    (run / "rank-00004.json").write_text("{not json")
+    (run / "events-00005.jsonl").write_bytes(b"\xff\xfe\x00garbage\n{\"kind\": 1}\n")
+    proc = subprocess.run([sys.executable, "-m", "stragglerwatch.cli", "analyze", str(run)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "1 of 1 ranks, 8 steps" in proc.stdout
+    named = proc.stderr.strip().splitlines()
+    assert named and all(line.startswith("stragglerwatch:") for line in named), named
+    assert any("rank-00001.parquet" in line for line in named) and any("rank-00003.arrows" in line for line in named)
+
+
+def test_no_failure_of_ours_reaches_the_training_loop(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model, opt = model_and_opt()
+    with caplog.at_level("WARNING", logger="stragglerwatch"):
+        watch = stragglerwatch.attach(model, tmp_path / "run", watchdog_timeout_s=0)
+
+        def broken(*args: object) -> None:
+            raise RuntimeError("a bug of ours")
+
+        watch._probe._sink = broken  # every step's end now fails inside our optimizer hook
+        watch._writer.observers.append(broken)  # and so does the log thread after each write
+        train(model, opt, 10)  # the loop never sees it
+        watch.close()
+    assert watch._probe.faults >= 9
+    assert said(caplog, "a hook of ours failed") == 1, "one line, the rest counted"
+
+
+def test_config_precedence_errors_and_documentation(caplog: pytest.LogCaptureFixture) -> None:
+    env = {"STRAGGLERWATCH_RUN_DIR": "/from/env", "STRAGGLERWATCH_PROMETHEUS_PORT": "9400"}
+    cfg = Config.resolve(Config(role="stage1"), environ=env, flush_interval_s=0.5)
+    assert (str(cfg.run_dir), cfg.prometheus_port, cfg.role, cfg.flush_interval_s) == ("/from/env", 9400, "stage1", 0.5)
+    assert str(Config.resolve(environ=env, run_dir="/given").run_dir) == "/given", "an argument wins"
+    assert not Config.resolve(environ={"STRAGGLERWATCH_DISABLE": "1"}, enabled=True).enabled
+    with caplog.at_level("WARNING", logger="stragglerwatch"):
+        typo = Config.resolve(environ={"STRAGGLERWATCH_PROMETHEUS_PORT": "x"}, problems=Problems())
+    assert typo.prometheus_port is None
+    assert said(caplog, "STRAGGLERWATCH_PROMETHEUS_PORT='x' is not a port") == 1
+    for bad in ({"flush_interval_s": 0}, {"no_such_setting": 1}, {"prometheus_port": 70000}):
+        with pytest.raises(ConfigError):
+            Config.resolve(environ={}, **bad)
+    with pytest.raises(ConfigError, match="unknown setting"):
+        stragglerwatch.attach(torch.nn.Linear(2, 2), "/tmp/x", flush_intervall_s=1.0)
+    import inspect
+
+    source = inspect.getsource(Config)
+    for name in Config.__dataclass_fields__:
+        after = source.split(f"\n    {name}:", 1)[1].split("\n", 2)[1]
+        assert after.strip().startswith('"""'), f"Config.{name} has no docstring"
+
+
+def test_run_ids_are_unique_per_job_and_kept_by_a_second_attach(tmp_path: Path) -> None:
+    ids = []
+    for parent in ("a", "b", "a"):
+        with stragglerwatch.attach(torch.nn.Linear(2, 2), tmp_path / parent / "exp", watchdog_timeout_s=0) as w:
+            ids.append(w.info.run_id)
+    assert ids[0].startswith("exp-") and ids[1].startswith("exp-") and ids[0] != ids[1]
+    assert ids[2] == ids[0], "a second attach in a run dir continues its run"
+    with stragglerwatch.attach(torch.nn.Linear(2, 2), tmp_path / "c", run_id="given", watchdog_timeout_s=0) as w:
+        assert w.info.run_id == "given"
+
+
+def test_restarts_and_reattaches_are_numbered_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from stragglerwatch.cli import main as cli
+
+    run = tmp_path / "run"
+    model, opt = model_and_opt()
+    for restart, n in (("0", 4), ("0", 3), ("1", 5)):  # attach, re-attach, then a restarted worker group
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
+        with stragglerwatch.attach(model, run, watchdog_timeout_s=0):
+            train(model, opt, n)
+    df = stragglerwatch.load_run(run)
+    assert len(df) == 12 and not df.duplicated(["rank", "restart", "attach", "step"]).any()
+    assert df.groupby(["restart", "attach"]).size().tolist() == [4, 3, 5]
+    assert cli(["analyze", str(run), "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["steps"] == 12, "no (rank, step) overwritten"
+    assert [(a["restart"], a["first_step"], a["last_step"]) for a in report["attempts"]] == [(0, 0, 3), (0, 4, 6),
+                                                                                             (1, 7, 11)]  # fmt: skip
+    assert cli(["analyze", str(run)]) == 0
+    assert "3 attempts" in capsys.readouterr().out
+
+
+def test_peers_are_read_in_two_store_operations(tmp_path: Path) -> None:
+    """64 simulated peers' notes in a real TCPStore (one client writes them all: this machine's store
+    accepts new connections slowly after a few dozen); one rank reads them."""
+    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    world = 64
+    shared = torch.distributed.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False)
+    for rank in range(world):
+        board = PeerBoard("run", rank, world)
+        board._client = shared
+        if rank != 7:
+            assert board.publish({"step": 3, "phase": "allreduce_wait", "at": time.time()})
+    reader = PeerBoard("run", 0, world)
+    reader._address = ("127.0.0.1", master.port)
+    notes = reader.read()
+    assert notes is not None and notes[7] is None and notes[1]["phase"] == "allreduce_wait"
+    assert reader.operations == 1 + world + (world - 1), "a rank never published: one key at a time"
+    late = PeerBoard("run", 7, world)
+    late._client = shared
+    late.publish({"step": 2, "phase": "data_wait", "at": time.time()})
+    reader.operations = 0
+    notes = reader.read()
+    assert reader.operations == 2 and notes[7]["phase"] == "data_wait" and len(notes) == world
