@@ -17,6 +17,7 @@ counter; the log keeps going, in a new segment.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import threading
@@ -34,7 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .log import Problems
-from .runinfo import RUN_META, read_run_meta
+from .runinfo import MAX_RANKS, RUN_META, read_run_meta
 from .schema import (
     RUN_COLUMNS,
     STEP_SCHEMA,
@@ -266,7 +267,9 @@ def _read_stream(path: Path, quiet: bool = False) -> pa.Table | None:
     warn = (lambda message: None) if quiet else _warn
     batches = []
     try:
-        with pa.OSFile(str(path), "rb") as src:
+        # memory-mapped: batches point into the file, so a damaged length can never make the
+        # reader allocate more than the file holds
+        with pa.memory_map(str(path), "r") as src:
             reader = pa.ipc.open_stream(src)
             problem = schema_compatible(reader.schema)
             if problem:
@@ -367,14 +370,20 @@ def read_logs(
             except (pa.ArrowException, ValueError, KeyError) as exc:
                 _warn(f"{f}: skipped: its columns cannot be read as a step log ({exc})")
                 continue
+            valid = pc.and_(pc.greater_equal(table["rank"], 0), pc.less(table["rank"], MAX_RANKS))
+            if not pc.all(valid).as_py():
+                _warn(f"{f}: {table.num_rows - pc.sum(valid).as_py()} record(s) skipped: rank out of range (damaged)")
+                table = table.filter(valid)
             tables.append(table)
             ranks.update(pc.unique(table["rank"]).to_pylist())
         if progress:
             progress(i + 1, len(files))
     world = int(meta["world_size"]) if meta else (max(ranks) + 1 if ranks else 0)
-    missing = sorted(set(range(world)) - ranks)
-    if missing and tables:
-        shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+    present = {r for r in ranks if r < world}
+    if world > len(present) and tables:
+        first = list(itertools.islice((r for r in range(world) if r not in present), 10))
+        more = world - len(present) - len(first)
+        shown = ", ".join(map(str, first)) + (f" and {more} more" if more else "")
         _warn(f"{path}: no steps from rank(s) {shown} of {world}")
     return RunLogs(path, world, tables, schema)
 

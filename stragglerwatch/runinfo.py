@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 RUN_META = "run.json"
+MAX_RANKS = 1 << 24  # more ranks than any job has: a larger rank or world size is a damaged file
 LOGGER = logging.getLogger("stragglerwatch")
 _STORE_TIMEOUT = timedelta(seconds=120)
 _attach_counter = itertools.count()  # this process's attach() calls: the records' `attach`
@@ -177,6 +178,8 @@ def read_run_meta(run_dir: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     if not isinstance(meta, dict) or not isinstance(meta.get("world_size"), int):
+        return None
+    if not 0 < meta["world_size"] <= MAX_RANKS:  # a damaged file: no job has this many ranks
         return None
     return meta
 

@@ -160,7 +160,11 @@ class Watch:
 
 
 def attach(
-    model: torch.nn.Module, run_dir: str | os.PathLike[str] | None = None, *, config: Config | None = None, **settings
+    model: torch.nn.Module,
+    run_dir: str | os.PathLike[str] | None = None,
+    *,
+    config: Config | None = None,
+    **settings: Any,
 ) -> Watch:
     """Record this rank's step anatomy for ``model`` (a DDP module, or a plain module in one
     process) into ``run_dir``, without changing the training loop.

@@ -161,3 +161,15 @@ def test_fuzzers_reach_both_outcomes() -> None:
         (run / "rank-00000.arrows").write_bytes(STREAM[: len(STREAM) - 40])
         with pytest.warns(stragglerwatch.RunDirWarning, match="truncated"):
             assert 0 < len(stragglerwatch.load_run(run)) < 9
+
+
+def test_damaged_rank_or_world_size_cannot_exhaust_memory(tmp_path: Path) -> None:
+    """Found by the fuzzer: a damaged rank (or world size) made the reader list every rank up to it."""
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, STEP_SCHEMA) as writer:
+        writer.write_batch(records_to_batch([record(0), record(1)._replace(rank=2**31 - 1)]))
+    (tmp_path / "rank-00000.arrows").write_bytes(sink.getvalue())
+    (tmp_path / "run.json").write_text('{"world_size": 1000000000000, "run_id": "x"}')
+    with pytest.warns(stragglerwatch.RunDirWarning, match="rank out of range"):
+        df = stragglerwatch.load_run(tmp_path)
+    assert df["rank"].tolist() == [0] and read_run_meta(tmp_path) is None
