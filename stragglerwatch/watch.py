@@ -35,12 +35,13 @@ from .coverage import UnavailableNotes, unseen_communication
 from .eventlog import EventLogWriter, log_path
 from .exporter import Exporter, RankCollector, RankMetrics
 from .log import Problems
+from .peers import PeerBoard
 from .probes import StepProbe, TimedIterable, cuda_mark
 from .runinfo import AttachError, RunInfo, discover, write_meta
 from .shadows import time_buffer_sync, time_forward
 from .taps import tap_collectives, tap_scaler
 from .timing import resolve_cuda
-from .watchdog import EventFile, NativeStacks, PeerBoard, ShutdownHooks, Watchdog
+from .watchdog import EventFile, NativeStacks, ShutdownHooks, Watchdog
 
 CommHook = tuple[Any, Callable[[Any, Any], torch.futures.Future]]
 

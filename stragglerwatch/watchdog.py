@@ -43,12 +43,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from .hangs import classify, local_verdict
 from .log import Problems
+from .peers import PeerBoard, collective_counts
 from .probes import StepProbe
 
 
@@ -59,28 +59,6 @@ def thread_stacks(limit: int = 40) -> dict[str, str]:
     for ident, frame in sys._current_frames().items():
         out[f"{names.get(ident, 'thread')} ({ident})"] = "".join(traceback.format_stack(frame, limit=limit))
     return out
-
-
-def collective_counts() -> dict[str, int]:
-    """Collectives issued so far in each process group of this process, by group name.
-
-    The groups' own sequence numbers (c10d counts every collective at issue, DDP's
-    C++ ones included); read off the training thread, at stall time only."""
-    try:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return {}
-        c10d = dist.distributed_c10d
-        out = {}
-        for pg in list(c10d._world.pg_map):
-            try:
-                out[str(c10d._get_process_group_name(pg))] = int(pg._get_sequence_number_for_group())
-            except Exception:
-                continue
-        return out
-    except Exception:
-        return {}
 
 
 class EventFile:
@@ -123,89 +101,6 @@ def read_events(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
             else:
                 bad += 1
     return events, bad
-
-
-class PeerBoard:
-    """This job's progress notes in its c10d store: ``stragglerwatch/<run>/where/<rank>``."""
-
-    def __init__(self, run_id: str, rank: int, world_size: int, timeout_s: float = 5.0):
-        self.prefix = f"stragglerwatch/{run_id}/where/"
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout_s = timeout_s
-        self.errors = 0
-        self.operations = 0  # store operations made to read the peers (for the load benchmark)
-        self._client: Any = None
-        self._address: tuple[str, int] | None = self._store_address()
-
-    @staticmethod
-    def _store_address() -> tuple[str, int] | None:
-        try:
-            import torch.distributed as dist
-
-            store = dist.distributed_c10d._get_default_store()
-            while hasattr(store, "underlying_store"):
-                store = store.underlying_store
-            return str(store.host), int(store.port)
-        except Exception:
-            return None
-
-    def _store(self) -> Any:
-        if self._client is None and self._address is not None:
-            import torch.distributed as dist
-
-            host, port = self._address
-            self._client = dist.TCPStore(
-                host, port, is_master=False, timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False
-            )
-        return self._client
-
-    def publish(self, state: dict[str, Any]) -> bool:
-        try:
-            store = self._store()
-            if store is None:
-                return False
-            store.set(self.prefix + str(self.rank), json.dumps(state))
-            return True
-        except Exception:
-            self.errors += 1
-            return False
-
-    def read(self) -> dict[int, dict[str, Any] | None] | None:
-        """Every rank's latest note (None where there is none); None if the store is unreachable.
-
-        Two store operations whatever the world size (``check`` and ``multi_get`` of every
-        rank's key, which each rank set when its watchdog started); one key at a time only on
-        a store without ``multi_get`` or when a rank never published."""
-        try:
-            store = self._store()
-            if store is None:
-                return None
-            keys = [self.prefix + str(r) for r in range(self.world_size)]
-            self.operations += 1
-            if hasattr(store, "multi_get") and store.check(keys):
-                self.operations += 1
-                return {r: _note(v) for r, v in enumerate(store.multi_get(keys))}
-            out: dict[int, dict[str, Any] | None] = {}
-            for r, key in enumerate(keys):
-                self.operations += 1
-                if store.check([key]):
-                    self.operations += 1
-                    out[r] = _note(store.get(key))
-                else:
-                    out[r] = None
-            return out
-        except Exception:
-            self.errors += 1
-            return None
-
-
-def _note(raw: bytes) -> dict[str, Any] | None:
-    try:
-        note = json.loads(raw)
-    except (ValueError, TypeError):
-        return None
-    return note if isinstance(note, dict) else None
 
 
 class NativeStacks:

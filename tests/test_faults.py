@@ -26,7 +26,8 @@ import stragglerwatch
 from stragglerwatch import Config, ConfigError
 from stragglerwatch.eventlog import RunDirError, log_files
 from stragglerwatch.log import Problems
-from stragglerwatch.watchdog import PeerBoard, read_events
+from stragglerwatch.peers import PeerBoard
+from stragglerwatch.watchdog import read_events
 
 FAULTS = ROOT / "tests" / "workers" / "faults.py"
 
@@ -283,6 +284,7 @@ def test_peers_are_read_in_two_store_operations(tmp_path: Path) -> None:
         board._client = shared
         if rank != 7:
             assert board.publish({"step": 3, "phase": "allreduce_wait", "at": time.time()})
+    shared.get(f"stragglerwatch/run/where/{world - 1}")  # sets are not acknowledged: wait until all landed
     reader = PeerBoard("run", 0, world)
     reader._address = ("127.0.0.1", master.port)
     notes = reader.read()
@@ -291,6 +293,7 @@ def test_peers_are_read_in_two_store_operations(tmp_path: Path) -> None:
     late = PeerBoard("run", 7, world)
     late._client = shared
     late.publish({"step": 2, "phase": "data_wait", "at": time.time()})
+    shared.get("stragglerwatch/run/where/7")  # a set is not acknowledged: wait until the store has it
     reader.operations = 0
     notes = reader.read()
     assert reader.operations == 2 and notes[7]["phase"] == "data_wait" and len(notes) == world

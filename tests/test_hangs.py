@@ -13,7 +13,8 @@ from torch import nn
 
 import stragglerwatch
 from stragglerwatch.hangs import classify, hangs_from_events
-from stragglerwatch.watchdog import PeerBoard, read_events
+from stragglerwatch.peers import PeerBoard
+from stragglerwatch.watchdog import read_events
 
 W = "allreduce_wait"
 
