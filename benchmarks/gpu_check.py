@@ -14,6 +14,9 @@ With two or more GPUs the last rank also spins its GPU ``LATE_MS`` before the lo
 on NCCL the other hosts do not block, their streams wait, so their ``collective_wait_s`` must
 hold that wait (measured on the stream, by events around ``Work.wait``), the late rank's busy
 time must exceed theirs by about as much, and ``analyze`` must flag it with cause ``other``.
+Then an FSDP2 (``fully_shard``) job whose last rank's GPU is late by as much in forward: the
+peers' waits for FSDP2's all-gathers and reduce-scatters (on the compute stream) must be
+``collective_wait_s`` and the late rank flagged with cause ``compute``.
 Prints the figures; exits 1 if a check fails.
 """
 
@@ -102,6 +105,8 @@ def main() -> int:
     failures = []
     if rank == 0:
         failures = check(run_dir, statistics.median(host_inst) / statistics.median(host_plain), world)
+    if world > 1:
+        failures += fsdp2_check(world, rank, late)
     dist.destroy_process_group()
     return 1 if failures else 0
 
@@ -150,8 +155,64 @@ def check(run_dir: str, ratio: float, world: int) -> list[str]:
     return failures
 
 
-    dist.destroy_process_group()
-    return 1 if failures else 0
+class Layers(nn.Module):
+    """Three sharded blocks; the last rank's GPU spins ``late`` cycles in forward (compute straggler)."""
+
+    def __init__(self, late: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(3))
+        self.late = late
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.late:
+            torch.cuda._sleep(self.late)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def fsdp2_check(world: int, rank: int, late: int) -> list[str]:
+    """FSDP2 on NCCL: the compute stream's waits for FSDP2's all-gather and reduce-scatter
+    streams are communication; the late rank is flagged with cause compute."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from stragglerwatch.analysis import analyze_run
+
+    run_dir = [tempfile.mkdtemp(prefix="gpu-check-fsdp2-") if rank == 0 else None]
+    dist.broadcast_object_list(run_dir, src=0)  # one run dir for all ranks (one machine)
+    mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("dp",))
+    model = Layers(late).cuda()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    watch = stragglerwatch.attach(model, run_dir[0])
+    x = torch.randn(64, 1024, device="cuda")
+    for _ in range(60):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    watch.close()
+    dist.barrier()
+    if rank != 0:
+        return []
+    failures = []
+    df = stragglerwatch.load_run(run_dir[0])
+    df = df[df["step"] >= 5]
+    ms = df.groupby("rank")[["step_s", "busy_s", "forward_s", "backward_s", "collective_wait_s"]].median() * 1e3
+    print(f"gpu_check: FSDP2, {world} ranks, last rank's GPU late by {LATE_MS} ms a step; medians (ms):\n"
+          f"{ms.round(3).to_string()}")  # fmt: skip
+    others = ms.drop(index=world - 1)
+    if (df["allreduce_wait_s"] != 0).any() or others["collective_wait_s"].min() < 0.7 * LATE_MS:
+        failures.append("FSDP2: the peers' waits for the late rank are not communication")
+    flagged = [(s["rank"], s["cause"]) for s in analyze_run(run_dir[0]).report["stragglers"]]
+    print(f"gpu_check: FSDP2: analyze flags {flagged}")
+    if flagged != [(world - 1, "compute")]:
+        failures.append(f"FSDP2: analyze flagged {flagged}, not rank {world - 1} (compute)")
+    print("gpu_check: FSDP2 " + ("OK" if not failures else "FAILED: " + "; ".join(failures)))
+    return failures
 
 
 if __name__ == "__main__":

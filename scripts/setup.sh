@@ -28,6 +28,6 @@ if [ -n "$missing" ]; then
          "the tests that need them will be skipped" >&2
   fi
 fi
-echo "setup: installing stragglerwatch and its dev tools"
-pip_install -e ".[dev]"
+echo "setup: installing stragglerwatch, its dev tools and the frameworks its integrations are tested with"
+pip_install -e ".[dev,lightning,transformers]"
 .venv/bin/python -c 'import torch, stragglerwatch; print(f"setup: ok (stragglerwatch {stragglerwatch.__version__}, torch {torch.__version__})")'

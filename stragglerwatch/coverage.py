@@ -20,9 +20,7 @@ from .runinfo import RunInfo, write_rank_meta
 #: Model classes whose communication stragglerwatch does not see yet (by class name: none is imported).
 UNSEEN_WRAPPERS = {
     "FullyShardedDataParallel": "FSDP (FullyShardedDataParallel): its all-gathers and reduce-scatters are not timed",
-    "FSDPModule": "FSDP2 (fully_shard): its all-gathers and reduce-scatters are not timed",
     "DeepSpeedEngine": "DeepSpeed: its communication is not timed",
-    "OptimizedModule": "a torch.compile'd module: the communication inside compiled code is not seen",
 }
 
 

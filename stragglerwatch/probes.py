@@ -56,6 +56,15 @@ import torch
 from torch.utils import _pytree
 
 from .log import Problems
+
+try:
+    from torch.compiler import is_compiling  # torch >= 2.3
+except ImportError:  # pragma: no cover
+
+    def is_compiling() -> bool:
+        return False
+
+
 from .timing import StepMarks
 
 Sink = Callable[[StepMarks], None]
@@ -76,6 +85,8 @@ def _guarded(hook: Callable[..., Any]) -> Callable[..., Any]:
             return None
 
     return guarded
+
+
 _NESTED = object()  # token of a collective inside another timed one (counted once, by the outer)
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _SCALARS = (str, bytes, int, float, bool, type(None))
@@ -111,8 +122,11 @@ def _grad_tensors(output: Any, most: int = 64) -> list[torch.Tensor]:
 
 
 def _compiled_autograd_active() -> bool:
+    """Compiled autograd is on (the flag reads False while it traces a backward, the region flag True)."""
     module = sys.modules.get("torch._dynamo.compiled_autograd")
-    return bool(module is not None and getattr(module, "compiled_autograd_enabled", False))
+    return module is not None and bool(
+        getattr(module, "compiled_autograd_enabled", False) or getattr(module, "in_compiled_autograd_region", False)
+    )
 
 
 def cuda_mark() -> torch.cuda.Event:
@@ -151,6 +165,9 @@ class StepProbe:
         self._eval_open = False  # consecutive evaluation forwards extend one eval interval
         self._in_backward = False
         self._tid = threading.get_ident()  # the training thread (that of the latest training forward)
+        self._stream: Any = None  # CUDA: the stream of the latest training forward (the compute stream)
+        self.forward_nesting = 0  # timed forwards running now (shadows.py): only the outermost is timed
+        self._fwd_seen = False
         self._comm_depth = 0
         self._ender = ender  # id of the optimizer whose step ends a training step (None: learn it)
         self._stepped: set[int] = set()  # optimizers stepped in the current step
@@ -194,30 +211,47 @@ class StepProbe:
     # -- data -------------------------------------------------------------
     def wrap(self, iterable: Iterable[Any]) -> TimedIterable:
         """``iterable`` with each ``next()`` timed as data wait (re-iterable per epoch)."""
+        self.exact_data()
+        return TimedIterable(self, iterable)
+
+    def exact_data(self) -> None:
+        """Data wait is timed where batches are fetched, not taken as the gap before forward."""
         self._data_from_gap = False
         if self._cur is not None:
             self._cur.data_from_gap = False
-        return TimedIterable(self, iterable)
 
     def timed_iter(self, iterable: Iterable[Any]) -> Iterator[Any]:
-        now = self._now
         it = iter(iterable)
         while True:
-            t0 = now()
-            try:
-                m = self._cur or self._begin(t0) if self.enabled else None  # the first step starts here
-                self.where = (self._next_step, "data_wait", t0)
-            except Exception:
-                m = None
+            token = self.data_begin()
             try:
                 item = next(it)
             except StopIteration:
                 return
-            t1 = now()
-            self.where = (self._next_step, "other", t1)
-            if m is not None:
-                m.data.append((t0, t1))
+            finally:
+                self.data_end(token)
             yield item
+
+    def data_begin(self) -> Any:
+        """The training thread starts waiting for a batch (a wrapped loader, a framework's
+        fetch). Returns a token for :meth:`data_end`; never raises."""
+        t0 = self._now()
+        try:
+            if not self.enabled:
+                return None
+            m = self._cur or self._begin(t0)  # the first step starts here
+            self.where = (self._next_step, "data_wait", t0)
+            return (m, t0)
+        except Exception:
+            return None
+
+    def data_end(self, token: Any) -> None:
+        if token is None:
+            return
+        m, t0 = token
+        t1 = self._now()
+        self.where = (self._next_step, "other", t1)
+        m.data.append((t0, t1))
 
     # -- forward ----------------------------------------------------------
     @_guarded
@@ -236,6 +270,9 @@ class StepProbe:
             return
         self.where = (self._next_step, "forward", now)
         self._tid = threading.get_ident()
+        self._fwd_seen = True
+        if not self._host:
+            self._stream = torch.cuda.current_stream()
         m = self._cur or self._begin(now)
         self._eval_open = self._eval_fwd = False
         if self._fwd_open:  # the previous forward raised: drop its dangling start
@@ -258,6 +295,11 @@ class StepProbe:
             return
         self._fwd_open = False
         self._cur.fwd_end.append(self._at(now))  # type: ignore[union-attr]
+        if _compiled_autograd_active():
+            self.note_unavailable(
+                "compiled_autograd", "compiled autograd runs the backward: the gradient all-reduce wait is not seen"
+            )
+            return
         tensors = _grad_tensors(output)
         for t in tensors:
             t.register_hook(self._on_output_grad)
@@ -272,13 +314,8 @@ class StepProbe:
     @_guarded
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         m = self._cur
-        if self._in_backward or m is None or not self.enabled:
-            return
-        if _compiled_autograd_active():
-            self.note_unavailable(
-                "compiled_autograd", "compiled autograd runs the backward: the gradient all-reduce wait is not seen"
-            )
-            return
+        if self._in_backward or m is None or not self.enabled or is_compiling() or _compiled_autograd_active():
+            return  # traced by compiled autograd: noted at forward end
         self._in_backward = True
         self._eval_open = False
         self.where = (self._next_step, "backward", self._now())
@@ -313,6 +350,8 @@ class StepProbe:
             return None
         if threading.get_ident() != self._tid and _graph_task_id() < 0:
             return None  # another thread's collective (not inside our backward): not this step's
+        if self._stream is not None and torch.cuda.current_stream() != self._stream:
+            return None  # waited for on a side stream (FSDP2's all-gather stream): not the compute stream's wait
         self._comm_depth += 1
         if self._comm_depth > 1:
             return _NESTED
@@ -458,6 +497,12 @@ class StepProbe:
                 "no_backward",
                 "no backward was seen from the model's outputs (is the loss computed from them?), "
                 "so the gradient all-reduce wait cannot be timed",
+            )
+        if not self._fwd_seen and m.step >= 3:
+            self.note_unavailable(
+                "no_forward",
+                "no forward of the watched model was seen in 3 steps: attach the module the training loop "
+                "calls (a model compiled after attach hides its forward: attach after torch.compile)",
             )
         if self._expect_comm:
             if m.comm or m.sync:

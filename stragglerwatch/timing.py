@@ -15,7 +15,7 @@ the most specific interval covering it, in this order:
 
     communication (gradient all-reduce wait, every other collective)
     > evaluation passes > forward, backward, wrapped-loader waits
-    > optimizer > the gap before the first forward (data, without a wrapped loader)
+    > optimizer > the gap before each micro-batch's forward (data, without a wrapped loader)
     > other (the rest)
 
 so the phases partition the step exactly. ``busy = step - communication - eval``
@@ -142,6 +142,21 @@ def _closed(pairs: Iterable[Any]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in pairs if b is not None]
 
 
+def _data_gaps(m: StepMarks) -> list[tuple[float, float]]:
+    """Without a wrapped loader, the loop fetches a batch before each micro-batch's forward: the
+    gap before the first forward, and under accumulation each gap between a backward's end and
+    the next forward (what else happens there is carved out by the layers above)."""
+    if not m.fwd_start:
+        return []
+    gaps = [(m.start, m.fwd_start[0])]
+    ends = sorted(m.bwd_end)
+    for f in m.fwd_start[1:]:
+        before = [b for b in ends if b <= f]
+        if before:
+            gaps.append((before[-1], f))
+    return gaps
+
+
 def anatomy(
     m: StepMarks, rank: int, wall_anchor: float, timing: str = "host", restart: int = 0, attach: int = 0
 ) -> StepRecord:
@@ -152,7 +167,7 @@ def anatomy(
     """
     start, end = m.start, m.end
     step_s = max(0.0, end - start)
-    gap = [(start, m.fwd_start[0])] if m.data_from_gap and m.fwd_start else []
+    gap = _data_gaps(m) if m.data_from_gap else []
     sec = carve(
         [
             ("allreduce_wait", m.sync),

@@ -13,8 +13,9 @@ attach before ``init_process_group``) raises at attach time, before training; an
 failure of ours, then or later, is one line in the ``stragglerwatch`` logger and a
 counter, and training goes on (unwatched, if attach itself failed).
 
-When the model's communication cannot be seen (``coverage.py``) the reason goes into the
-rank's metadata (``busy_unavailable``), where ``analyze`` and the dashboard find it.
+What the model is (DDP, FSDP2, compiled: ``models.py``) decides which hooks go on
+(``shadows.py``). When the model's communication cannot be seen (``coverage.py``) the reason
+goes into the rank's metadata (``busy_unavailable``), where ``analyze`` and the dashboard find it.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from .coverage import UnavailableNotes, unseen_communication
 from .eventlog import EventLogWriter, log_path
 from .exporter import Exporter, RankCollector, RankMetrics
 from .log import Problems
+from .models import ModelInfo, inspect_model, mesh_role
 from .peers import PeerBoard
 from .probes import StepProbe, TimedIterable, cuda_mark
 from .runinfo import AttachError, RunInfo, discover, write_meta
-from .shadows import time_buffer_sync, time_forward
+from .shadows import time_as_forward, time_buffer_sync, time_fetch, time_forward, time_fsdp_waits
 from .taps import tap_collectives, tap_scaler
 from .timing import resolve_cuda
 from .watchdog import EventFile, NativeStacks, ShutdownHooks, Watchdog
@@ -52,12 +54,13 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_comm_hook_free(model: torch.nn.Module) -> None:
-    if isinstance(model, DistributedDataParallel) and model._comm_hooks:
+def _check_comm_hook_free(model: DistributedDataParallel) -> None:
+    if model._comm_hooks:
         raise AttachError(
             "stragglerwatch: bucket_timings needs DDP's communication hook, but this model already has one "
-            "and PyTorch allows only one. Call attach() before register_comm_hook() and pass yours as "
-            "attach(model, comm_hook=(state, hook)), or leave bucket_timings off (no comm hook needed)."
+            "(registered by register_comm_hook(), or by Accelerate's DistributedDataParallelKwargs(comm_hook=...)) "
+            "and PyTorch allows only one. Leave bucket_timings off (nothing else needs a comm hook), or call "
+            "attach() before register_comm_hook() and pass yours as attach(model, comm_hook=(state, hook))."
         )
 
 
@@ -75,6 +78,7 @@ class Watch:
         self._exporter: Exporter | None = None
         self._notes: UnavailableNotes | None = None
         self._handles: list[Any] = []
+        self._last: Any = None  # the latest step record written
         self._closed = info is None
 
     @property
@@ -115,6 +119,39 @@ class Watch:
         if self._probe is None or self._closed:
             return iterable
         return self._probe.wrap(iterable)
+
+    def latest(self) -> dict[str, float] | None:
+        """This rank's latest step written to the log (seconds per phase, ``busy_ratio``: busy
+        over step time), or None before the first write (steps are written every flush interval)."""
+        last = self._last
+        if last is None:
+            return None
+        figures = {k: float(getattr(last, k)) for k in ("step", "step_s", "busy_s", "comm_wait_s", "data_wait_s")}
+        figures["busy_ratio"] = last.busy_s / last.step_s if last.step_s > 0 else float("nan")
+        return figures
+
+    def time_data(self, obj: Any, begin: str, end: str | None = None) -> None:
+        """For integrations: time as data wait what happens between calls of ``obj.<begin>()``
+        and ``obj.<end>()`` (a framework's fetch callbacks), or inside ``obj.<begin>()`` (its
+        fetch method) when ``end`` is None; undone by ``close()``."""
+        if self._probe is not None and not self._closed:
+            self._handles += time_fetch(obj, begin, end, self._probe)
+
+    def time_forward(self, obj: Any, name: str, module: torch.nn.Module) -> None:
+        """For integrations: time calls of ``obj.<name>()`` as forward passes (a framework's
+        training step that computes the loss without calling the watched model's forward);
+        ``module``'s train/eval mode tells training from evaluation. Undone by ``close()``."""
+        if self._probe is not None and not self._closed:
+            self._handles.append(time_as_forward(obj, name, module, self._probe))
+
+    def note_unavailable(self, key: str, reason: str) -> None:
+        """For integrations: part of the signal cannot be measured in this loop, and why."""
+        if self._probe is not None and not self._closed:
+            self._probe.note_unavailable(key, reason)
+
+    def _observe(self, records: list[Any]) -> None:
+        if records:
+            self._last = records[-1]
 
     def flush(self) -> None:
         """Write every finished step now (the log thread also does so every flush interval)."""
@@ -184,13 +221,17 @@ def attach(
     cfg = Config.resolve(config, problems=problems, run_dir=run_dir, **settings)
     if not cfg.enabled:
         return Watch()
-    is_ddp = isinstance(model, DistributedDataParallel)
-    if is_ddp and (cfg.bucket_timings or cfg.comm_hook is not None):
-        _check_comm_hook_free(model)
+    try:
+        parts = inspect_model(model)
+    except Exception as exc:
+        problems.report("attach", f"cannot watch this model ({type(exc).__name__}: {exc}); training goes on unwatched")
+        return Watch()
+    if parts.ddp is not None and (cfg.bucket_timings or cfg.comm_hook is not None):
+        _check_comm_hook_free(parts.ddp)
     info = discover(cfg.run_dir, cfg.run_id)
     watch = Watch(info, problems, wall_anchor=time.time() - time.perf_counter())
     try:
-        _assemble(watch, model, cfg)
+        _assemble(watch, parts, cfg)
     except AttachError:
         watch.close()
         raise
@@ -202,20 +243,23 @@ def attach(
     return watch
 
 
-def _assemble(watch: Watch, model: torch.nn.Module, cfg: Config) -> None:
+def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
     """Start the log, the watchdog and the exporter and register the hooks, each kept on ``watch``."""
     info, problems = watch.info, watch.problems
     if info is None:
         raise RuntimeError("no run identity")
-    is_ddp = isinstance(model, DistributedDataParallel)
+    model, ddp = parts.outer, parts.ddp
+    is_ddp = ddp is not None
     bucket_timings = is_ddp and (cfg.bucket_timings or cfg.comm_hook is not None)
     on_gpu = _model_device(model).type == "cuda"
     timing = "cuda" if on_gpu else "host"
     settings = {"flush_interval_s": cfg.flush_interval_s, "fsync_interval_s": cfg.fsync_interval_s,
                 "watchdog_timeout_s": cfg.watchdog_timeout_s, "prometheus_port": cfg.prometheus_port,
-                "ddp": is_ddp, "bucket_timings": bucket_timings}  # fmt: skip
-    rank_meta: dict[str, Any] = {"device": str(_model_device(model)), "timing": timing, "role": cfg.role}
-    unseen = unseen_communication(model)
+                "ddp": is_ddp, "fsdp2": parts.fsdp2, "compiled": parts.compiled,
+                "bucket_timings": bucket_timings}  # fmt: skip
+    role = cfg.role if cfg.role is not None else mesh_role(parts.mesh)
+    rank_meta: dict[str, Any] = {"device": str(_model_device(model)), "timing": timing, "role": role}
+    unseen = unseen_communication(parts.target or model)
     if unseen is not None:
         rank_meta["busy_unavailable"] = [unseen]
         problems.report("unavailable", f"busy time unavailable: {unseen}")
@@ -236,14 +280,14 @@ def _assemble(watch: Watch, model: torch.nn.Module, cfg: Config) -> None:
     probe = watch._probe = StepProbe(
         writer.submit,
         cuda_mark if on_gpu else None,
-        (lambda: model.require_backward_grad_sync) if is_ddp else None,
+        (lambda: ddp.require_backward_grad_sync) if is_ddp else None,
         ender=id(cfg.optimizer) if cfg.optimizer is not None else None,
         expect_comm=info.world_size > 1 and not is_ddp and unseen is None,
         on_unavailable=lambda reason: problems.report("unavailable", f"busy time unavailable: {reason}"),
         problems=problems,
     )
     notes = watch._notes = UnavailableNotes(info, rank_meta, probe)
-    writer.observers.append(notes)
+    writer.observers += [notes, watch._observe]
     if cfg.watchdog_timeout_s is None or cfg.watchdog_timeout_s > 0:
         native = NativeStacks(info.run_dir / f"stacks-{info.rank:05d}.txt") if cfg.native_stacks else None
         watch._watchdog = Watchdog(
@@ -262,17 +306,18 @@ def _assemble(watch: Watch, model: torch.nn.Module, cfg: Config) -> None:
                                    cfg.prometheus_addr or "0.0.0.0", Path(cfg.sd_dir) if cfg.sd_dir else None,
                                    problems)  # fmt: skip
     handles = watch._handles
-    handles += time_forward(model, probe)
-    if is_ddp:
-        handles.append(time_buffer_sync(model, probe))
+    handles += time_forward(parts, probe)
+    handles.append(time_buffer_sync(parts, probe))
+    if parts.fsdp2 and on_gpu:
+        handles += time_fsdp_waits(parts, probe)
     handles.append(register_optimizer_step_pre_hook(probe.on_optimizer_pre))
     handles.append(register_optimizer_step_post_hook(probe.on_optimizer_post))
     handles += [tap_collectives(probe), tap_scaler(probe)]
     handles[:] = [h for h in handles if h is not None]
     if bucket_timings:
-        state, inner = cfg.comm_hook if cfg.comm_hook is not None else (model.process_group, None)
+        state, inner = cfg.comm_hook if cfg.comm_hook is not None else (ddp.process_group, None)
         try:
-            model.register_comm_hook(None, probe.comm_hook(inner, state))
+            ddp.register_comm_hook(None, probe.comm_hook(inner, state))
         except RuntimeError as exc:
             raise AttachError(
                 f"stragglerwatch: cannot add its DDP communication hook ({exc}); "

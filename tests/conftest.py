@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -10,6 +11,33 @@ from stragglerwatch.runinfo import RunInfo, write_meta
 from stragglerwatch.timing import StepMarks
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one rank in this process (DDP and compile tests in-process)."""
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def check_anatomy(df) -> None:
+    """The record contract on a loaded run: phases non-negative and adding up to the step,
+    communication the sum of its two kinds, busy the step minus communication and evaluation."""
+    from stragglerwatch.schema import PHASE_COLUMNS
+
+    parts = df[list(PHASE_COLUMNS)]
+    assert (parts >= 0).all().all()
+    assert (parts.sum(axis=1) - df["step_s"]).abs().max() < 1e-9, "the phases add up to the step"
+    assert ((df["comm_wait_s"] - df["allreduce_wait_s"] - df["collective_wait_s"]).abs() < 1e-12).all()
+    assert ((df["busy_s"] - (df["step_s"] - df["comm_wait_s"] - df["eval_s"])).abs() < 1e-12).all()
 
 
 _TOOL_DIRS = {".pytest_cache", ".ruff_cache", ".hypothesis", "__pycache__", ".venv", ".git"}

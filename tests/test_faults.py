@@ -188,7 +188,7 @@ def test_bad_files_in_a_run_dir_are_named_not_fatal(tmp_path: Path) -> None:
     pq.write_table(pa.table({"x": [1, 2]}), run / "rank-00002.parquet")  # foreign
     (run / "rank-00003.arrows").write_bytes(os.urandom(3000))  # corrupted
     (run / "rank-00004.json").write_text("{not json")
-    (run / "events-00005.jsonl").write_bytes(b"\xff\xfe\x00garbage\n{\"kind\": 1}\n")
+    (run / "events-00005.jsonl").write_bytes(b'\xff\xfe\x00garbage\n{"kind": 1}\n')
     proc = subprocess.run([sys.executable, "-m", "stragglerwatch.cli", "analyze", str(run)], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import ROOT, torchrun
+from conftest import ROOT, check_anatomy, torchrun
 
 import stragglerwatch
 from stragglerwatch.cli import main as cli
-from stragglerwatch.schema import PHASE_COLUMNS
 from stragglerwatch.watchdog import read_events
 
 pytestmark = pytest.mark.distributed
@@ -25,11 +24,7 @@ def run_loop(tmp_path: Path, nproc: int, *args: str) -> tuple[Path, pd.DataFrame
     run = tmp_path / "run"
     torchrun(nproc, LOOPS, *args, "--run-dir", str(run))
     df = stragglerwatch.load_run(run)
-    parts = df[list(PHASE_COLUMNS)]
-    assert (parts >= 0).all().all()
-    assert (parts.sum(axis=1) - df["step_s"]).abs().max() < 1e-9, "the phases add up to the step"
-    assert ((df["comm_wait_s"] - df["allreduce_wait_s"] - df["collective_wait_s"]).abs() < 1e-12).all()
-    assert ((df["busy_s"] - (df["step_s"] - df["comm_wait_s"] - df["eval_s"])).abs() < 1e-12).all()
+    check_anatomy(df)
     return run, df
 
 

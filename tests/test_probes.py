@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -20,22 +19,9 @@ from torch.utils import _pytree
 
 import stragglerwatch
 from stragglerwatch.cli import main as cli
-from stragglerwatch.coverage import UNSEEN_WRAPPERS
 from stragglerwatch.probes import _grad_tensors
 from stragglerwatch.schema import PHASE_COLUMNS
 from stragglerwatch.taps import scaler_class, tap_collectives, tap_scaler, work_class
-
-
-@pytest.fixture
-def one_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def partitions(df) -> bool:
@@ -152,17 +138,6 @@ def analyze_json(run: Path, capsys: pytest.CaptureFixture[str]) -> dict:
 def said(caplog: pytest.LogCaptureFixture, text: str) -> int:
     """How many lines of the stragglerwatch logger contain ``text``."""
     return sum(text in r.getMessage() for r in caplog.records if r.name == "stragglerwatch")
-
-
-def test_compiled_module_is_busy_unavailable(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    compiled = torch.compile(nn.Linear(8, 2))  # an OptimizedModule; never called, so nothing compiles
-    with caplog.at_level("WARNING", logger="stragglerwatch"):
-        watch = stragglerwatch.attach(compiled, tmp_path / "run", watchdog_timeout_s=0)
-    assert said(caplog, "busy time unavailable: a torch.compile'd module") == 1
-    assert watch.stats()["busy_unavailable"] == [UNSEEN_WRAPPERS["OptimizedModule"]]
-    watch.close()
-    meta = json.loads((tmp_path / "run" / "rank-00000.json").read_text())
-    assert meta["busy_unavailable"] == ["a torch.compile'd module: the communication inside compiled code is not seen"]
 
 
 def test_unseen_communication_in_a_multi_rank_job(

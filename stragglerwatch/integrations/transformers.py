@@ -1,0 +1,90 @@
+"""Hugging Face Trainer: ``Trainer(..., callbacks=[StragglerWatchCallback()])``.
+
+Design: the callback attaches in ``on_train_begin``, when the Trainer has prepared the model
+with Accelerate. Callbacks are not given the Trainer, so the callback finds it as the caller of
+the event (once), and attaches to ``trainer.model_wrapped``: the DDP model around
+``trainer.model``, whose forward, buffer broadcast and gradient all-reduce are then timed as in
+a plain loop. The Trainer steps an ``AcceleratedOptimizer`` whose ``step`` steps the real
+optimizer (one step, counted once); with gradient accumulation the micro-batches before the
+last run under ``no_sync`` and make one step; a mixed-precision step that the gradient scaler
+skips is a step with no optimizer time. The batches of a step are fetched by
+``trainer.get_batch_samples``, timed as data wait. Evaluation runs in eval mode without grad:
+evaluation time, not work.
+
+With ``log_to_trainer=True`` the rank's busy ratio goes into the Trainer's logs
+(``stragglerwatch/busy_ratio``, every ``logging_steps``, through ``trainer.log`` so that every
+reporting integration gets it), and the job's verdict is logged by the main process at the end
+of training (after a barrier, from the run dir).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..config import Config
+from ..watch import Watch, attach
+from ._common import find_caller_self, verdict_metrics
+
+try:
+    from transformers import Trainer, TrainerCallback
+except ImportError as exc:
+    raise ImportError(
+        "stragglerwatch.integrations.transformers needs transformers: pip install 'stragglerwatch[transformers]'"
+    ) from exc
+
+
+class StragglerWatchCallback(TrainerCallback):
+    """Record every rank's step anatomy with stragglerwatch during ``trainer.train()``.
+
+    ``run_dir`` and ``attach_options`` are those of :func:`stragglerwatch.attach`;
+    ``log_to_trainer`` also puts the busy ratio and the final verdict into the Trainer's logs."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str] | None = None,
+        *,
+        log_to_trainer: bool = False,
+        **attach_options: Any,
+    ) -> None:
+        Config.resolve(environ={}, run_dir=run_dir, **attach_options)  # a mistake fails here, not at train start
+        self.run_dir = run_dir
+        self.log_to_trainer = log_to_trainer
+        self.attach_options = attach_options
+        self.watch: Watch | None = None
+        self.trainer: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self.watch is not None and self.watch.enabled:
+            return
+        self.trainer = find_caller_self(Trainer)
+        wrapped = getattr(self.trainer, "model_wrapped", None)
+        self.watch = attach(wrapped if wrapped is not None else model, self.run_dir, **self.attach_options)
+        if self.trainer is not None and callable(getattr(self.trainer, "get_batch_samples", None)):
+            self.watch.time_data(self.trainer, "get_batch_samples")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.log_to_trainer or self.watch is None or self.trainer is None:
+            return
+        every = args.logging_steps if args.logging_steps >= 1 else args.logging_steps * (state.max_steps or 0)
+        if state.global_step % max(1, int(every)) == 0:
+            latest = self.watch.latest()
+            if latest is not None:
+                self.trainer.log({"stragglerwatch/busy_ratio": round(latest["busy_ratio"], 4)})
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        watch, self.watch = self.watch, None
+        if watch is None:
+            return
+        run_dir = watch.run_dir
+        watch.close()
+        trainer, self.trainer = self.trainer, None
+        if not self.log_to_trainer or trainer is None:
+            return
+        trainer.accelerator.wait_for_everyone()  # every rank's log is complete (end of training)
+        if not state.is_world_process_zero:
+            return
+        metrics = verdict_metrics(Path(run_dir) if run_dir else None, watch.problems)
+        if metrics:
+            trainer.log(metrics)

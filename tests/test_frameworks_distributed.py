@@ -1,0 +1,132 @@
+"""Real 2-rank (and 4-rank) CPU jobs in each framework, written as its documentation teaches and
+instrumented only as the README says (``tests/workers/frameworks.py``): an injected straggler is
+found with the right cause, the phases add up, and nothing is counted twice."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from conftest import ROOT, check_anatomy, torchrun
+
+import stragglerwatch
+from stragglerwatch.cli import main as cli
+
+pytestmark = pytest.mark.distributed
+WORKER = ROOT / "tests" / "workers" / "frameworks.py"
+MS = 1e-3
+DELAY = 0.02  # the worker's injected delay per micro-batch
+
+
+def run_job(tmp_path: Path, framework: str, *args: str, nproc: int = 2, steps: int = 48) -> tuple[Path, pd.DataFrame]:
+    run = tmp_path / "run"
+    torchrun(nproc, WORKER, "--framework", framework, "--run-dir", str(run), "--steps", str(steps), *args,
+             timeout_s=240)  # fmt: skip
+    df = stragglerwatch.load_run(run)
+    assert df.groupby("rank")["step"].agg(list).map(lambda s: s == list(range(steps))).all(), "one step per update"
+    check_anatomy(df)
+    return run, df
+
+
+def report(run: Path, capsys: pytest.CaptureFixture[str]) -> dict:
+    assert cli(["analyze", str(run), "--format", "json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def only_straggler(r: dict, rank: int, cause: str) -> None:
+    assert r["busy_unavailable"] == []
+    assert [(s["rank"], s["cause"]) for s in r["stragglers"]] == [(rank, cause)], r["stragglers"]
+    assert 5 <= r["stragglers"][0]["first_step"] <= 14, "onset near the injection at step 8"
+
+
+def excess(df: pd.DataFrame, rank: int, columns: list[str]) -> float:
+    """How much more of ``columns`` the slow rank spends per step than its slowest peer (medians)."""
+    med = df[df["step"] >= 12].groupby("rank")[columns].median().sum(axis=1)
+    return float(med.loc[rank] - med.drop(index=rank).max())
+
+
+def test_lightning_compute_straggler_with_accumulation_and_validation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Forward and backward run inside optimizer.step(closure): they are compute, not optimizer time."""
+    logs = tmp_path / "logs"
+    run, df = run_job(tmp_path, "lightning", "--slow-rank", "1", "--cause", "compute", "--accumulate", "2",
+                      "--eval-every", "20", "--trainer-logs", str(logs))  # fmt: skip
+    only_straggler(report(run, capsys), 1, "compute")
+    assert (df["micro_batches"] == 2).all()
+    extra = excess(df, 1, ["forward_s", "backward_s"])
+    assert 2 * DELAY - 8 * MS < extra < 2 * DELAY + 12 * MS, f"the delay counted once per micro-batch: {extra}"
+    assert df.groupby("rank")["optimizer_s"].median().max() < 5 * MS, "the closure is not optimizer time"
+    assert (df.groupby("rank")["eval_s"].max() > 0).all(), "validation is evaluation time"
+    rows = list(csv.DictReader(next(logs.rglob("metrics.csv")).open()))
+    assert any(r.get("stragglerwatch/busy_ratio") for r in rows), "busy ratio in the trainer's logs"
+    assert any(r.get("stragglerwatch/straggler_rank") == "1.0" for r in rows), "the verdict in the trainer's logs"
+
+
+def test_lightning_fsdp2_through_model_parallel_strategy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """FSDP2 applied in configure_model: the strategy calls training_step itself, not forward."""
+    run, df = run_job(tmp_path, "lightning", "--mesh", "lightning-fsdp2", "--slow-rank", "1", "--cause", "compute",
+                      "--accumulate", "2")  # fmt: skip
+    only_straggler(report(run, capsys), 1, "compute")
+    assert (df["allreduce_wait_s"] == 0).all() and (df["micro_batches"] == 2).all()
+    extra = excess(df, 1, ["forward_s", "backward_s"])
+    assert 2 * DELAY - 8 * MS < extra < 2 * DELAY + 12 * MS, f"the delay counted once per micro-batch: {extra}"
+
+
+def test_lightning_manual_optimization_is_unavailable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run, _ = run_job(tmp_path, "lightning", "--manual", "--eval-every", "5", "--slow-rank", "1", steps=12)
+    r = report(run, capsys)
+    assert r["stragglers"] == [] and r["busy_unavailable"], "unavailable, not a guess"
+    assert "manual optimization" in r["busy_unavailable"][0]["reason"]
+
+
+def test_hf_trainer_data_straggler(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The Trainer's model_wrapped, AcceleratedOptimizer, accumulation, evaluation and loss gathering."""
+    logs = tmp_path / "logs"
+    run, df = run_job(tmp_path, "hf", "--slow-rank", "0", "--cause", "data", "--accumulate", "2",
+                      "--eval-every", "20", "--trainer-logs", str(logs))  # fmt: skip
+    only_straggler(report(run, capsys), 0, "data")
+    assert (df["micro_batches"] == 2).all()
+    extra = excess(df, 0, ["data_wait_s"])
+    assert 2 * DELAY - 8 * MS < extra < 2 * DELAY + 12 * MS, f"both micro-batches' fetches, once each: {extra}"
+    history = json.loads((logs / "log_history.json").read_text())
+    assert any("stragglerwatch/busy_ratio" in h for h in history)
+    assert any(h.get("stragglerwatch/straggler_rank") == 0.0 for h in history)
+
+
+def test_accelerate_data_straggler(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run, df = run_job(tmp_path, "accelerate", "--slow-rank", "1", "--cause", "data", "--accumulate", "2")
+    only_straggler(report(run, capsys), 1, "data")
+    extra = excess(df, 1, ["data_wait_s"])
+    assert 2 * DELAY - 8 * MS < extra < 2 * DELAY + 12 * MS, f"each micro-batch's fetch is data wait: {extra}"
+
+
+def test_fsdp2_compute_straggler(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No DDP all-reduce: FSDP2's all-gathers and reduce-scatters are the exposed communication."""
+    run, df = run_job(tmp_path, "fsdp2", "--slow-rank", "1", "--cause", "compute", "--accumulate", "2")
+    only_straggler(report(run, capsys), 1, "compute")
+    assert (df["allreduce_wait_s"] == 0).all() and (df["collective_wait_s"] > 0).all()
+    peers = df[(df["step"] >= 12) & (df["rank"] == 0)]
+    assert peers["collective_wait_s"].median() > 2 * DELAY - 10 * MS, "the peer waits in FSDP2's collectives"
+    extra = excess(df, 1, ["forward_s", "backward_s"])
+    assert 2 * DELAY - 8 * MS < extra < 2 * DELAY + 12 * MS, f"the delay counted once per micro-batch: {extra}"
+
+
+@pytest.mark.parametrize("mesh,roles", [("dp,tp", {0: "tp=0", 1: "tp=1", 2: "tp=0", 3: "tp=1"}),
+                                        ("hsdp", {0: None, 1: None, 2: None, 3: None})])  # fmt: skip
+def test_fsdp2_peer_groups_from_the_mesh(tmp_path: Path, mesh: str, roles: dict) -> None:
+    """Ranks differing only in their data-parallel coordinates are peers; the others are not."""
+    run, _ = run_job(tmp_path, "fsdp2", "--mesh", mesh, nproc=4, steps=6)
+    got = {r: json.loads((run / f"rank-{r:05d}.json").read_text())["role"] for r in range(4)}
+    assert got == roles
+
+
+def test_compiled_ddp_compute_straggler(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run, df = run_job(tmp_path, "compile", "--slow-rank", "1", "--cause", "compute")
+    only_straggler(report(run, capsys), 1, "compute")
+    assert (df[df["step"] >= 2]["collective_wait_s"] > 0).all(), "the buffer broadcast is seen under compile"
+    extra = excess(df, 1, ["forward_s", "backward_s"])
+    assert DELAY - 6 * MS < extra < DELAY + 10 * MS, f"the delay counted once: {extra}"
