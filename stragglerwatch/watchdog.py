@@ -91,6 +91,8 @@ def read_events(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
             bad += 1
             continue
         for line in lines:
+            if not line.strip():
+                continue  # a blank line holds nothing to lose
             try:
                 ev = json.loads(line)
             except ValueError:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -58,6 +59,18 @@ def no_test_writes_into_the_repo():
     yield
     new = sorted(_repo_entries() - before)
     assert not new, f"tests left files in the repo: {new}"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """In CI (``STRAGGLERWATCH_REQUIRE_ALL=1``, set by ``.ci/run``) a skipped test fails the run:
+    a missing Prometheus or Chromium must not pass as green."""
+    if os.environ.get("STRAGGLERWATCH_REQUIRE_ALL") != "1":
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter is not None else []
+    if skipped and exitstatus == 0:
+        session.exitstatus = 1
+        reporter.write_line(f"STRAGGLERWATCH_REQUIRE_ALL=1: {len(skipped)} test(s) skipped; CI must run them all")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

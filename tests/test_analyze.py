@@ -140,7 +140,8 @@ def test_schema_1_0_logs_stay_readable(tmp_path: Path, capsys: pytest.CaptureFix
         w.write_table(table)
     (run / "rank-00001.parquet").unlink()
     df = stragglerwatch.load_run(run)
-    assert len(df) == 80 and (df["comm_wait_s"] == df["allreduce_wait_s"]).all()
+    assert not df.duplicated(["rank", "step"]).any() and len(df) == 80
+    assert (df["comm_wait_s"] == df["allreduce_wait_s"]).all()
     assert (df["collective_wait_s"] == 0).all() and (df["eval_s"] == 0).all()
     report = analyze_json(run, capsys)
     assert [(s["rank"], s["cause"]) for s in report["stragglers"]] == [(1, "compute")]

@@ -45,6 +45,7 @@ def test_attached_after_compile(one_rank_group: None, tmp_path: Path) -> None:
     breaks = train(compiled, ddp.parameters())
     assert watch.stats()["busy_unavailable"] == []
     watch.close()
+    assert plain_breaks > 0, "the counter is read: Dynamo counts DDP's own graph breaks"
     assert breaks == plain_breaks, "attach adds no graph break"
     df = stragglerwatch.load_run(tmp_path / "run")
     assert df["step"].tolist() == list(range(6))
@@ -61,7 +62,7 @@ def test_module_compile_in_place(one_rank_group: None, tmp_path: Path) -> None:
         train(ddp, ddp.parameters(), steps=4)
         assert watch.stats()["busy_unavailable"] == []
     df = stragglerwatch.load_run(tmp_path / "run")
-    assert len(df) == 4 and (df["forward_s"] > 0).all() and (df["allreduce_wait_s"] > 0).all()
+    assert df["step"].tolist() == list(range(4)) and (df["forward_s"] > 0).all() and (df["allreduce_wait_s"] > 0).all()
 
 
 def test_compiled_after_attach_is_unavailable(one_rank_group: None, tmp_path: Path) -> None:

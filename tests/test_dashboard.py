@@ -189,4 +189,4 @@ def test_banner_says_busy_time_unavailable(make_run) -> None:
     assert "busy time unavailable: FSDP2 (fully_shard): not timed (rank 5)" in text and "rank 3 is" not in text
     assert style == CAUTION_STYLE
     out = render(snap, None)
-    assert all(r["flagged"] == "" for r in out["rows"])
+    assert out["rows"] and all(r["flagged"] == "" for r in out["rows"])

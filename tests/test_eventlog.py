@@ -16,8 +16,10 @@ from stragglerwatch.eventlog import EventLogWriter, log_path
 from stragglerwatch.schema import RUN_COLUMNS, SCHEMA_VERSION
 
 
-def write_steps(run_dir: Path, rank: int, n: int, busy: float = 0.01, close: bool = True) -> EventLogWriter:
-    w = EventLogWriter(log_path(run_dir, rank), rank, wall_anchor=1e9, flush_interval_s=60)
+def write_steps(
+    run_dir: Path, rank: int, n: int, busy: float = 0.01, close: bool = True, attach: int = 0
+) -> EventLogWriter:
+    w = EventLogWriter(log_path(run_dir, rank), rank, wall_anchor=1e9, flush_interval_s=60, attach=attach)
     t = 100.0
     for s in range(n):
         m = fake_step(s, t, busy=busy)
@@ -38,7 +40,8 @@ def test_roundtrip_and_compaction(make_run) -> None:
     assert not list(run.glob("*.arrows")), "close() compacts the stream into Parquet"
     df = load_run(run)
     assert list(df.columns) == list(RUN_COLUMNS)
-    assert len(df) == 10 and set(df["world_size"]) == {2}
+    assert df.groupby("rank")["step"].agg(list).to_dict() == {0: list(range(5)), 1: list(range(5))}
+    assert set(df["world_size"]) == {2}
     assert df.groupby("rank")["busy_s"].median().round(4).to_dict() == {0: 0.01, 1: 0.02}
     assert (df["step_s"] - df["busy_s"]).round(6).eq(0.005).all()
     meta = pq.read_schema(run / "rank-00000.parquet").metadata
@@ -141,8 +144,10 @@ def test_second_attach_in_same_run_dir_appends_a_segment(make_run) -> None:
     run = make_run(1)
     write_steps(run, 0, 2)
     assert log_path(run, 0).name == "rank-00000.1.arrows"
-    write_steps(run, 0, 3)
-    assert len(load_run(run)) == 5
+    write_steps(run, 0, 3, attach=1)  # what a second attach() in the process writes
+    df = load_run(run)
+    assert not df.duplicated(["rank", "restart", "attach", "step"]).any()
+    assert df.groupby("attach")["step"].agg(list).to_dict() == {0: [0, 1], 1: [0, 1, 2]}
 
 
 def test_cli_summary_and_errors(make_run, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

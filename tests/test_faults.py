@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ROOT, free_ports
+from conftest import ROOT, free_ports, wait_for
 
 import stragglerwatch
 from stragglerwatch import Config, ConfigError
@@ -81,7 +81,9 @@ def test_disk_full_goes_on_in_a_new_segment(tmp_path: Path) -> None:
         df = stragglerwatch.load_run(tmp_path / "run")
     assert len(log_files(tmp_path / "run")) >= 2, "the log went on in new segments"
     assert df["step"].is_unique and len(df) + stats["dropped_steps"] == 600, "only the failed batches are lost"
-    assert stats["dropped_steps"] < 100 and stats["write_errors"] >= 1
+    assert stats["write_errors"] >= 1
+    per_interval = 0.02 / df["step_s"].median()  # steps a 20 ms flush interval holds
+    assert stats["dropped_steps"] <= stats["write_errors"] * 3 * per_interval + 5, "a failed write loses one batch"
 
 
 def test_unwritable_run_dir_leaves_training_unwatched(caplog: pytest.LogCaptureFixture) -> None:
@@ -143,25 +145,40 @@ def readable(run: Path) -> None:
 
 
 def test_sigkill_at_random_moments_leaves_readable_files(tmp_path: Path) -> None:
-    """SIGKILL 20 times, at moments spread over start-up, training, flushes and close's compaction."""
+    """SIGKILL 20 times: 3 during start-up, 14 at random steps of training (flushes), 3 around the
+    end of training (close's compaction). Every file left is readable, and no step that finished
+    longer ago than the flush interval (plus a margin) is lost."""
     rng = random.Random(20261130)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for i in range(20):
+    steps, moments = 600, ["start"] * 3 + ["training"] * 14 + ["end"] * 3
+    checked = 0
+    for i, moment in enumerate(moments):
         out = tmp_path / f"kill{i}"
-        proc = subprocess.Popen([sys.executable, str(FAULTS), "steps", str(out), "--steps", "400", "--flush", "0.01"],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        time.sleep(rng.uniform(1.5, 4.0))
+        out.mkdir()
+        progress = out / "progress"
+        cmd = [sys.executable, str(FAULTS), "steps", str(out), "--steps", str(steps), "--flush", "0.01"]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        target = {"start": None, "training": rng.randint(5, steps - 50), "end": steps - 1}[moment]
+        if target is None:
+            time.sleep(rng.uniform(0.2, 1.0))
+        else:
+            wait_for(lambda t=target, f=progress: f.exists() and len(f.read_text().splitlines()) > t, 120,
+                     f"kill {i}: step {target}")  # fmt: skip
+            first_at = float(progress.read_text().split()[1])
+            time.sleep(max(0.0, first_at + 0.6 - time.time()))  # some steps are older than the margin below
+            time.sleep(rng.uniform(0.0, 0.05 if moment == "training" else 0.3))
         killed_at = time.time()
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         readable(out / "run")
-        progress = out / "progress"
-        if progress.exists() and (out / "run").exists():
-            step, at = progress.read_text().split() if progress.read_text() else ("-1", "0")
-            if float(at) < killed_at - 0.5:  # steps older than the flush interval (and a margin) are kept
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    assert stragglerwatch.load_run(out / "run")["step"].max() >= int(step) - 50
+        lines = [line.split() for line in progress.read_text().splitlines()] if progress.exists() else []
+        old = [int(s) for s, at in (x for x in lines if len(x) == 2) if float(at) < killed_at - 0.5]
+        if old:  # steps older than the flush interval (and a margin) are kept
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                assert stragglerwatch.load_run(out / "run")["step"].max() >= max(old), f"kill {i} ({moment})"
+            checked += 1
+    assert checked == 17, "the data-loss check ran for every kill after start-up"
 
 
 def test_wall_clock_jump_changes_no_duration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,7 +191,8 @@ def test_wall_clock_jump_changes_no_duration(tmp_path: Path, monkeypatch: pytest
         time.sleep(0.2)
         assert not watch.stats()["stalled"]
     df = stragglerwatch.load_run(tmp_path / "run")
-    assert len(df) == 10 and (df["step_s"] < 1.0).all() and df["start_time"].is_monotonic_increasing
+    assert df["step"].tolist() == list(range(10))
+    assert (df["step_s"] < 1.0).all() and df["start_time"].is_monotonic_increasing
     assert [e["kind"] for e in read_events(tmp_path / "run")[0]] == ["closed"], "no false stall"
 
 

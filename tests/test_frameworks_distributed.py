@@ -26,6 +26,7 @@ def run_job(tmp_path: Path, framework: str, *args: str, nproc: int = 2, steps: i
     torchrun(nproc, WORKER, "--framework", framework, "--run-dir", str(run), "--steps", str(steps), *args,
              timeout_s=240)  # fmt: skip
     df = stragglerwatch.load_run(run)
+    assert set(df["rank"]) == set(range(nproc)), "every rank logged"
     assert df.groupby("rank")["step"].agg(list).map(lambda s: s == list(range(steps))).all(), "one step per update"
     check_anatomy(df)
     return run, df

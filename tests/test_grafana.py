@@ -58,7 +58,9 @@ def test_dashboard_model_is_well_formed(name: str) -> None:
     assert names[0] == "datasource"
     if name == "stragglerwatch.json":
         assert names == ["datasource", "run", "rank"]
-        assert all(p.get("links") for p in model["panels"] if p["title"] in ("Firing alerts", "Watchdog: stalls"))
+        linked = [p for p in model["panels"] if p["title"] in ("Firing alerts", "Watchdog: stalls")]
+        assert sorted(p["title"] for p in linked) == ["Firing alerts", "Watchdog: stalls"]
+        assert all(p.get("links") for p in linked)
 
 
 def query_range(base: str, expr: str, minutes: float = 3.0) -> list[dict]:

@@ -151,7 +151,7 @@ def test_read_events_skips_and_counts_garbage(tmp_path: Path) -> None:
     (tmp_path / "events-00000.jsonl").write_text(json.dumps(good) + "\n{cut by a ki\n[1, 2]\n\n")
     (tmp_path / "events-00001.jsonl").write_bytes(b"\xff\xfe garbage\n")
     events, bad = read_events(tmp_path)
-    assert events == [good] and bad == 4
+    assert events == [good] and bad == 3, "the cut line, the non-event and the garbage; a blank line is no loss"
 
 
 def test_unreachable_store_fails_fast(tmp_path: Path) -> None:
@@ -162,6 +162,7 @@ def test_unreachable_store_fails_fast(tmp_path: Path) -> None:
     board._address = ("127.0.0.1", port)
     t0 = time.monotonic()
     assert board.publish({"step": 1}) is False and board.read() is None
+    # two operations, each bounded by the 1 s timeout plus TCPStore's connect retries (~2.6 s seen): a wide margin
     assert time.monotonic() - t0 < 10 and board.errors == 2
 
 

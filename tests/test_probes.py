@@ -191,3 +191,22 @@ def test_ddp_output_without_gradient_is_busy_unavailable(
     assert said(caplog, "no tensor of the model's output needs a gradient") == 1
     meta = json.loads((tmp_path / "run" / "rank-00000.json").read_text())
     assert any("no tensor of the model's output needs a gradient" in r for r in meta["busy_unavailable"])
+
+
+def test_comm_hook_conflict_is_one_clear_error(one_rank_group, tmp_path: Path) -> None:
+    """A comm hook already registered (by the user, or by Accelerate's DistributedDataParallelKwargs)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model = DDP(nn.Linear(8, 2))
+    model.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
+    with pytest.raises(stragglerwatch.AttachError) as err:
+        stragglerwatch.attach(model, tmp_path / "refused", bucket_timings=True, watchdog_timeout_s=0)
+    message = str(err.value)
+    assert "\n" not in message and "Accelerate" in message and "Leave bucket_timings off" in message
+    assert not (tmp_path / "refused").exists(), "a refused attach leaves nothing behind"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with stragglerwatch.attach(model, tmp_path / "run", watchdog_timeout_s=0):  # the user's hook is left alone
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+    assert stragglerwatch.load_run(tmp_path / "run")["step"].tolist() == [0, 1, 2]

@@ -62,9 +62,10 @@ def one_process(args: argparse.Namespace) -> None:
         stragglerwatch.attach(model, run, watchdog_timeout_s=0, flush_interval_s=args.flush)
     else:
         watch = stragglerwatch.attach(model, run, watchdog_timeout_s=0, flush_interval_s=args.flush)
-    for step in range(args.steps):
-        train_step(model, opt)
-        (args.out / "progress").write_text(f"{step} {time.time()}")
+    with (args.out / "progress").open("a", buffering=1) as progress:  # one line a step: "step time"
+        for step in range(args.steps):
+            train_step(model, opt)
+            progress.write(f"{step} {time.time()}\n")
     if not args.bare:
         (args.out / "stats.txt").write_text(repr(watch.stats()))
         watch.close()
