@@ -56,6 +56,7 @@ import torch
 from torch.utils import _pytree
 
 from .log import Problems
+from .timing import StepMarks
 
 try:
     from torch.compiler import is_compiling  # torch >= 2.3
@@ -64,8 +65,6 @@ except ImportError:  # pragma: no cover
     def is_compiling() -> bool:
         return False
 
-
-from .timing import StepMarks
 
 Sink = Callable[[StepMarks], None]
 
