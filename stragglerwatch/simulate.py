@@ -4,7 +4,9 @@ at scales a small machine cannot run for real.
 Model: each rank's busy time per step is a base step split into phases (data 5%,
 forward 30%, backward 55%, optimizer 5%, other 5%), scaled by a per-(step, rank)
 log-normal jitter (``noise``) and a per-step job-wide drift; transient spikes hit
-random (step, rank) cells; an injected straggler adds ``slowdown`` x base to its
+random (step, rank) cells; optionally the noise of real clusters (persistent per-rank
+offsets, heavy-tailed spikes, periodic job-wide stalls, noise shared by a host's ranks,
+slow per-rank drift); an injected straggler adds ``slowdown`` x base to its
 cause's phase from ``onset`` to ``end``. The all-reduce barrier makes every
 rank's step the busiest rank's busy time plus the transfer time, so each rank's
 exposed wait is ``step - busy`` — the same arithmetic as a real run.
@@ -71,6 +73,14 @@ class SimConfig:
     spike_mag: float = 1.0  # a spike adds this x base busy time (to "other")
     injections: list[Injection] = field(default_factory=list)
     groups: int = 1  # peer groups (e.g. pipeline stages): rank r is in group r * groups // ranks
+    # realistic noise, all off by default (drawn from a second generator: the above stay as they were)
+    offset: float = 0.0  # persistent per-rank relative offset, uniform in [-offset, +offset]: heterogeneous hardware
+    spike_tail: float = 0.0  # > 0: spike magnitudes Pareto-distributed with this shape (heavy tail)
+    stall_every: int = 0  # every N steps all ranks stall together (GC, checkpoint, evaluation)
+    stall_mag: float = 0.5  # ... by this x base busy time
+    host_noise: float = 0.0  # per-(step, host) relative jitter shared by the ranks of a host
+    ranks_per_host: int = 8
+    rank_drift: float = 0.0  # per-rank slow random-walk drift: its sigma over the whole run
 
 
 def simulate_arrays(cfg: SimConfig) -> dict[str, np.ndarray]:
@@ -84,6 +94,7 @@ def simulate_arrays(cfg: SimConfig) -> dict[str, np.ndarray]:
     out = {col: base * share * scale for col, share in PHASE_SHARES.items()}
     spikes = rng.random(shape, dtype=np.float32) < cfg.spike_prob
     out["other_s"] += spikes * (cfg.spike_mag * base)
+    _realistic_noise(cfg, out, spikes, base)
     for inj in cfg.injections:
         if not 0 <= inj.rank < cfg.ranks:
             raise ValueError(f"straggler rank {inj.rank} outside 0..{cfg.ranks - 1}")
@@ -101,6 +112,39 @@ def simulate_arrays(cfg: SimConfig) -> dict[str, np.ndarray]:
     out["collective_wait_s"] = np.zeros(shape)
     out["eval_s"] = np.zeros(shape)
     return out
+
+
+def _realistic_noise(cfg: SimConfig, out: dict[str, np.ndarray], spikes: np.ndarray, base: float) -> None:
+    """The noise of real clusters that independent jitter lacks (the fields of SimConfig after
+    ``groups``), applied in place; a generator of its own keeps the base simulation unchanged."""
+    if not (cfg.offset or cfg.spike_tail or cfg.stall_every or cfg.host_noise or cfg.rank_drift):
+        return
+    rng = np.random.default_rng([cfg.seed, 1])
+    steps, ranks = spikes.shape
+    factor = np.ones((steps, ranks))
+    if cfg.offset:
+        factor *= 1.0 + rng.uniform(-cfg.offset, cfg.offset, ranks)[None, :]
+    if cfg.host_noise:
+        hosts = np.arange(ranks) // max(1, cfg.ranks_per_host)
+        factor *= np.exp(cfg.host_noise * rng.standard_normal((steps, int(hosts[-1]) + 1)))[:, hosts]
+    if cfg.rank_drift:
+        walk = np.cumsum(rng.standard_normal((steps, ranks)), axis=0) * (cfg.rank_drift / np.sqrt(steps))
+        factor *= np.exp(walk)
+    for col in PHASE_SHARES:
+        out[col] *= factor
+    if cfg.spike_tail:  # replace the fixed spikes by heavy-tailed ones of the same mean
+        tail = (
+            cfg.spike_mag
+            * base
+            * (rng.pareto(cfg.spike_tail, size=spikes.shape) + 1)
+            * (cfg.spike_tail - 1)
+            / cfg.spike_tail
+        )
+        out["other_s"] += spikes * (tail - cfg.spike_mag * base)
+    if cfg.stall_every:
+        rows = np.arange(cfg.stall_every - 1, steps, cfg.stall_every)
+        jitter = np.exp(0.05 * rng.standard_normal((len(rows), ranks)))
+        out["other_s"][rows] += cfg.stall_mag * base * jitter
 
 
 def to_frame(cfg: SimConfig, arrays: dict[str, np.ndarray] | None = None) -> pd.DataFrame:
