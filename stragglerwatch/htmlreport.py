@@ -74,8 +74,8 @@ def render_html(analysis: Analysis) -> str:
     if "attribution" in report:
         parts.append(f"<h2>What-if replay: S = {report['job_slowdown']} ({html.escape(report['whatif_verdict'])})</h2>")
         for key, cols in (("workers", [("rank", "rank"), ("dp_rank", "dp rank"), ("stage", "stage"),
-                                       ("slowdown", "S with only its compute real")]),
-                          ("stages", [("stage", "stage"), ("slowdown", "S with only its compute real")]),
+                                       ("slowdown", "S with only its durations real")]),
+                          ("stages", [("stage", "stage"), ("slowdown", "S with only its durations real")]),
                           ("optypes", [("optype", "op type"), ("slowdown", "S with only it real")])):  # fmt: skip
             parts.append(_table(report["attribution"][key], cols))
     if report["group_imbalance"]:

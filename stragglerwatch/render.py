@@ -63,9 +63,11 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
         )
     if unavailable:
         return lines
+    ideal = ("if every op took its typical time (what-if replay)" if "whatif_verdict" in report
+             else "if every rank ran at its peers' median")  # fmt: skip
     lines.append(
         f"job slowdown S = {report['job_slowdown']:.3f}: {_duration(report['job_seconds'])} actual vs "
-        f"{_duration(report['ideal_seconds'])} if every rank ran at its peers' median "
+        f"{_duration(report['ideal_seconds'])} {ideal} "
         f"({_duration(report['lost_seconds'])} lost to stragglers and jitter, {report['lost_gpu_seconds']:.0f} GPU-s)"
     )
     return lines
@@ -110,7 +112,7 @@ def whatif_lines(report: dict[str, Any], width: int = 80) -> list[str]:
         return []
     att = report["attribution"]
     head = (f"what-if replay: S = {report['job_slowdown']:.2f} ({report['whatif_verdict']}); "
-            "S with only one part's compute real:")  # fmt: skip
+            "S with only one part's durations real (compute and transfers):")  # fmt: skip
     lines = ["", *_wrap(head, width)]
     workers = ", ".join(f"rank {w['rank']} (dp {w['dp_rank']}, stage {w['stage']}) {w['slowdown']:.2f}"
                         for w in att["workers"][:3])  # fmt: skip

@@ -3,12 +3,12 @@ analyse them with the same report as a run dir, plus the what-if job slowdown an
 
 A trace has one row per op per worker: ``dp_rank``, ``stage``, ``rank``, ``step``, ``optype``,
 ``start_ts``, ``duration``, ``seq_id`` (and ``mc``, ``gmc``, ``mb_id``); its meta YAML gives
-``dp_size``, ``pp_size``, ``tp_size``, ``world_size``. What is read:
+``dp_size``, ``pp_size``, ``tp_size``, ``world_size`` (and ``dsp_size``). What is read:
 - per worker and step, the step anatomy: forward and backward compute summed over micro-batches,
   optimizer, communication (its recorded time, waiting included) and the step span; ``busy`` is the
   compute, which is what is compared between the workers of one pipeline stage (the peer group);
-- the what-if replay (``whatif.py``) of every step, for ``S`` and its attribution to workers,
-  stages and op types.
+- the what-if analysis (``whatif.py`` on the dependency model of ``whatif_deps.py``) of all complete
+  steps: ``S``, its attribution to dp ranks, stages, workers and op types, M_W and M_S, the verdict.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import pandas as pd
 
 from .analysis import Analysis, build_report
 from .detect import DetectConfig, detect, to_matrix
-from .whatif import COMPUTE, P2P, build_graph, makespan
+from .whatif import DECOMPOSE_THRESHOLD, MAJORITY, TOP_WORKER_SHARE, WhatIf, analyze
+from .whatif_deps import DP_COMM, ModelError, build_grid, build_model
 
-P2P_OPS = (*P2P, *(recv for recv, _ in P2P.values()))
+COMPUTE = ("forward-compute", "backward-compute", "optimizer")
 
 REQUIRED = ("dp_rank", "stage", "rank", "step", "optype", "start_ts", "duration", "seq_id")
 INTEGERS = ("dp_rank", "stage", "rank", "step", "seq_id")
@@ -64,7 +65,8 @@ def read_trace(path: str | Path) -> pd.DataFrame:
         df["optype"] = df["optype"].astype(str)
     except (TypeError, ValueError) as exc:
         raise TraceError(f"{path}: columns of the wrong type ({exc})") from None
-    bad = df[list(INTEGERS)].isna().any(axis=1) | ~np.isfinite(df["duration"]) | (df["duration"] < 0)
+    bad = df[list(INTEGERS)].isna().any(axis=1) | (df[list(INTEGERS)] < 0).any(axis=1)
+    bad |= ~np.isfinite(df["duration"]) | (df["duration"] < 0)
     bad |= ~np.isfinite(df["start_ts"])
     df = df.loc[~bad].reset_index(drop=True)
     if df.empty:
@@ -93,37 +95,6 @@ def worker_frame(df: pd.DataFrame) -> pd.DataFrame:
     return frame.reset_index()
 
 
-class Replay:
-    """Every step's graph and duration vectors, for repeated what-if replays."""
-
-    def __init__(self, df: pd.DataFrame, pp: int):
-        self.steps = []
-        for _, g in df.groupby("step", sort=True):
-            g = g.sort_values(["dp_rank", "stage", "start_ts", "optype"], kind="stable").reset_index(drop=True)
-            comp = g["optype"].isin(COMPUTE).to_numpy()
-            real = g["duration"].to_numpy()
-            typical = g.groupby("optype")["duration"].transform("mean").to_numpy()
-            transfer = g.groupby("optype")["duration"].transform("min").to_numpy()
-            # every pipeline receive may include waiting (a stage always waits for its neighbour's
-            # backward): the transfer time of an activation is the fastest p2p op of the step
-            p2p = g["optype"].isin(P2P_OPS).to_numpy()
-            if p2p.any():
-                transfer = np.where(p2p, g.loc[p2p, "duration"].min(), transfer)
-            ideal = np.where(comp, typical, transfer)
-            self.steps.append((g, build_graph(g, pp), comp, real, ideal))
-
-    def total(self, real_where: Any = None) -> float:
-        """Sum of step spans with compute real where ``real_where(step_frame)`` is True (all if None)."""
-        out = 0.0
-        for g, graph, comp, real, ideal in self.steps:
-            mask = comp if real_where is None else comp & real_where(g)
-            out += makespan(graph, np.where(mask, real, ideal))
-        return out
-
-    def ideal(self) -> float:
-        return self.total(lambda g: np.zeros(len(g), dtype=bool))
-
-
 def within_stage_spread(df: pd.DataFrame) -> tuple[float, float]:
     """Median over (step, stage) of the slowest worker's compute over the stage median, and how often
     the slowest worker of a stage is the same one (1.0: always the same)."""
@@ -135,9 +106,73 @@ def within_stage_spread(df: pd.DataFrame) -> tuple[float, float]:
     return ratio, same
 
 
+def whatif_model(df: pd.DataFrame, meta: dict[str, Any]) -> WhatIf:
+    """The grid, dependency model and durations of a trace's what-if replay; ModelError if it does not fit."""
+    dp, pp = int(df["dp_rank"].max()) + 1, int(df["stage"].max()) + 1
+    if pp != meta["pp_size"] or dp > meta["dp_size"]:
+        raise ModelError(f"the trace has {pp} stages and {dp} dp ranks, the meta pp_size={meta['pp_size']} "
+                         f"and dp_size={meta['dp_size']}")  # fmt: skip
+    dsp = meta.get("dsp_size", 1)
+    use_dp = dp * (dsp if isinstance(dsp, int) and dsp > 0 else 1) > 1
+    grid = build_grid(df if use_dp else df[~df["optype"].isin(DP_COMM)], dp, pp)  # no dp collectives to replay
+    return WhatIf(grid, build_model(grid, use_dp))
+
+
+def whatif_report(whatif: WhatIf, df: pd.DataFrame, top_workers: int) -> dict[str, Any]:
+    """The report keys of the what-if analysis (``job_slowdown``, ``attribution``, ``whatif_verdict``, ...)."""
+    ranks = {(int(d), int(s)): int(r) for (d, s), r in df.groupby(["dp_rank", "stage"])["rank"].first().items()}
+    res = analyze(whatif, ranks)
+    sec = res["seconds"]
+    workers = [{"dp_rank": d, "stage": s, "rank": r, "slowdown": round(v, 4), "dp_slowdown": round(res["dp"][d], 4),
+                "stage_slowdown": round(res["stage"][s], 4)} for d, s, r, v in res["scores"][:top_workers]]  # fmt: skip
+    stages = [{"stage": s, "slowdown": round(v, 4)} for s, v in res["stage"].items()]
+    optypes = sorted(({"optype": o, "slowdown": round(v, 4)} for o, v in res["optype"].items()),
+                     key=lambda o: -o["slowdown"])  # fmt: skip
+    dp_ranks = sorted(({"dp_rank": d, "slowdown": round(v, 4)} for d, v in res["dp"].items()),
+                      key=lambda o: -o["slowdown"])  # fmt: skip
+    lost = sec["real"] - sec["ideal"]
+    kind = res["verdict"]
+    spread, same = within_stage_spread(df)
+    grid = whatif.grid
+    return {
+        "job_seconds": round(sec["real"], 4),
+        "ideal_seconds": round(sec["ideal"], 4),
+        "job_slowdown": round(res["S"], 4),
+        "lost_seconds": round(lost, 4),
+        "whatif_verdict": kind,
+        "stage_imbalance": [s for s in stages if s["stage"] in res["hot_stages"]] if kind == "stage imbalance" else [],
+        "attribution": {"workers": workers, "stages": stages, "optypes": optypes, "dp_ranks": dp_ranks},
+        "within_stage_spread": {"slowest_over_median": round(spread, 3), "same_slowest_worker_share": round(same, 3)},
+        "whatif": {
+            "steps": len(grid.steps),
+            "skipped_steps": grid.skipped_steps,
+            "recorded_seconds": round(sec["recorded"], 4),
+            "replay_with_launch_delays_seconds": round(sec["real_with_delays"], 4),
+            "launch_slowdown": round(sec["recorded"] / sec["real"], 4) if sec["real"] > 0 else None,
+            "M_W": round(res["M_W"], 4),
+            "M_W_ranks": sorted(ranks[w] for w in res["M_W_workers"]),
+            "M_S": round(res["M_S"], 4),
+            "hot_stages": res["hot_stages"],
+            "every_dp_rank_hot": res["every_dp_rank_hot"],
+            "hot_stage_share": None if res["hot_stage_share"] is None else round(res["hot_stage_share"], 4),
+            "unmodelled_optypes": sorted(set(df["optype"]) - set(grid.nodes["optype"])),
+            "noop_p2p_ops": whatif.model.noops,
+            "thresholds": {
+                "decompose": DECOMPOSE_THRESHOLD,
+                "top_worker_share": TOP_WORKER_SHARE,
+                "majority": MAJORITY,
+            },
+        },
+    }
+
+
 def analyze_trace(trace: str | Path, meta_path: str | Path, top_workers: int = 6) -> Analysis:
     meta, df = read_meta(meta_path), read_trace(trace)
-    pp = int(meta["pp_size"])
+    try:
+        whatif = whatif_model(df, meta)
+        what = whatif_report(whatif, df, top_workers)
+    except ModelError as exc:
+        raise TraceError(f"{trace}: cannot replay it: {exc}") from None
     frame = worker_frame(df)
     mat = to_matrix(frame)
     stages = df.groupby("rank")["stage"].first()
@@ -146,56 +181,15 @@ def analyze_trace(trace: str | Path, meta_path: str | Path, top_workers: int = 6
     report = build_report(mat, verdict, {"run_id": Path(trace).stem, "world_size": int(meta["world_size"])}, {})
     for row in report["ranks"]:
         row["role"] = groups.get(row["rank"])
-    replay = Replay(df, pp)
-    t_real, t_ideal = float(replay.total()), float(replay.ideal())
-    s_job = t_real / t_ideal if t_ideal > 0 else 1.0
-
-    def share(mask_fn: Any) -> float:
-        return float(replay.total(mask_fn) / t_ideal) if t_ideal > 0 else 1.0
-
-    excess = (df[df["optype"].isin(COMPUTE)].assign(
-        typ=lambda d: d.groupby(["step", "optype"])["duration"].transform("median"))
-        .assign(ex=lambda d: d["duration"] - d["typ"]).groupby(["dp_rank", "stage"])["ex"].sum()
-        .sort_values(ascending=False))  # fmt: skip
-    workers = []
-    for dp, st in excess.index[:top_workers]:
-        s = share(lambda g, dp=dp, st=st: ((g["dp_rank"] == dp) & (g["stage"] == st)).to_numpy())
-        rank = int(df.loc[(df["dp_rank"] == dp) & (df["stage"] == st), "rank"].iloc[0])
-        workers.append({"dp_rank": int(dp), "stage": int(st), "rank": rank, "slowdown": round(s, 4)})
-    stage_rows = [{"stage": int(st), "slowdown": round(share(lambda g, st=st: (g["stage"] == st).to_numpy()), 4)}
-                  for st in sorted(df["stage"].unique())]  # fmt: skip
-    op_rows = [{"optype": o, "slowdown": round(share(lambda g, o=o: (g["optype"] == o).to_numpy()), 4)}
-               for o in COMPUTE if (df["optype"] == o).any()]  # fmt: skip
-    spread, same = within_stage_spread(df)
-    gain = s_job - 1.0
-    ranked = sorted((w["slowdown"] - 1.0 for w in workers), reverse=True) + [0.0, 0.0]
-    best_stage = max(stage_rows, key=lambda s: s["slowdown"])
-    if gain > 0 and ranked[0] >= 0.6 * gain and ranked[1] < 0.3 * gain:
-        kind = "single worker"  # one worker explains S and no other one does
-    elif spread > 1.15 and same < 0.5:
-        kind = "random imbalance"
-    elif gain > 0 and best_stage["slowdown"] - 1.0 >= 0.5 * gain:
-        kind = "stage imbalance"
-    else:
-        kind = "random imbalance" if spread > 1.15 else "balanced"
-    lost = t_real - t_ideal
-    layout = {k: meta.get(k) for k in ("dp_size", "pp_size", "tp_size", "vpp_size", "world_size")}
-    imbalance = [s for s in stage_rows if s["slowdown"] - 1.0 >= max(0.05, 0.25 * gain)]
+    layout = {k: meta.get(k) for k in ("dp_size", "pp_size", "tp_size", "dsp_size", "vpp_size", "world_size")}
     report.update(
-        job_seconds=round(t_real, 4),
-        ideal_seconds=round(t_ideal, 4),
-        job_slowdown=round(s_job, 4),
-        lost_seconds=round(lost, 4),
-        lost_gpu_seconds=round(lost * int(meta["world_size"]), 3),
+        what,
+        lost_gpu_seconds=round(what["lost_seconds"] * int(meta["world_size"]), 3),
         trace={
             "path": str(trace),
             "layout": layout,
             "ops": len(df),
             "workers": int(df.groupby(["dp_rank", "stage"]).ngroups),
-        },  # fmt: skip
-        whatif_verdict=kind,
-        stage_imbalance=imbalance if kind != "single worker" else [],
-        attribution={"workers": workers, "stages": stage_rows, "optypes": op_rows},
-        within_stage_spread={"slowest_over_median": round(spread, 3), "same_slowest_worker_share": round(same, 3)},
+        },
     )
     return Analysis(report, mat, verdict)
