@@ -60,7 +60,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if args.run_dir is None and not args.logs:
         print("stragglerwatch: error: give a RUN_DIR, --logs FILE..., or both", file=sys.stderr)
         return 2
-    config = DetectConfig(window=args.window, long_window=args.long_window, min_slowdown=args.min_slowdown, z=args.z)
+    config = DetectConfig(window=args.window, level_window=args.level_window, min_slowdown=args.min_slowdown,
+                          tolerance=args.tolerance, z=args.z, decision=args.decision)  # fmt: skip
     if args.run_dir is not None and Path(args.run_dir).is_file():  # an op-level trace
         from .traces import TraceError, analyze_trace
 
@@ -128,7 +129,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cfg = SimConfig(
         ranks=args.ranks, steps=args.steps, seed=args.seed, step_ms=args.step_ms, comm_ms=args.comm_ms,
         noise=args.noise, drift=args.drift, spike_prob=args.spike_prob, spike_mag=args.spike_mag,
-        injections=injections, groups=args.groups,
+        injections=injections, groups=args.groups, offset=args.offset, spike_tail=args.spike_tail,
+        stall_every=args.stall_every, stall_mag=args.stall_mag, host_noise=args.host_noise,
+        rank_drift=args.rank_drift, drift_steps=args.drift_steps, bootstrap=args.bootstrap or "",
     )  # fmt: skip
     try:
         write_run(out, cfg, progress=Progress("writing ranks"))
@@ -243,15 +246,20 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
                    help="text (default): verdict and per-rank table; json: one object (see README); "
                    "html: self-contained report with figures (default file RUN_DIR/report.html)")  # fmt: skip
     p.add_argument("--out", metavar="FILE", help="write the report to FILE instead of stdout")
-    p.add_argument("--window", type=int, default=24, help="steps of the rolling median (default 24)")
-    p.add_argument("--long-window", type=int, default=0,
-                   help="add a second, longer rolling median (e.g. 96) to find smaller stragglers in noisy "
-                   "runs, later (default 0: off)")  # fmt: skip
+    p.add_argument("--window", type=int, default=16,
+                   help="steps a slowdown must persist over: the short median (default 16)")  # fmt: skip
+    p.add_argument("--level-window", type=int, default=64,
+                   help="steps of the level median and of each rank's own baseline (default 64)")  # fmt: skip
     p.add_argument("--min-slowdown", type=float, default=0.06,
-                   help="smallest relative excess busy time that can be flagged (default 0.06 = 6%%)")  # fmt: skip
-    p.add_argument("--z", type=float, default=6.0,
-                   help="noise multiple a window median must exceed (default 6; the threshold adapts "
-                   "to the run's jitter)")  # fmt: skip
+                   help="smallest change of a rank's busy time that is flagged (default 0.06 = 6%%)")  # fmt: skip
+    p.add_argument("--tolerance", type=float, default=0.05,
+                   help="a rank up to this much slower than its peers from the start is healthy hardware "
+                   "variation, never flagged (default 0.05)")  # fmt: skip
+    p.add_argument("--z", type=float, default=5.0,
+                   help="noise margin of the level test in standard errors (default 5)")  # fmt: skip
+    p.add_argument("--decision", type=float, default=14.0,
+                   help="evidence the change test needs, in nats of log-likelihood ratio between a 6%% and a "
+                   "2%% change (default 14); lower finds changes sooner, higher flags less")  # fmt: skip
     p.set_defaults(func=cmd_analyze)
 
 
@@ -277,6 +285,22 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spike-prob", type=float, default=0.002, help="chance of a transient spike (default 0.002)")
     p.add_argument("--spike-mag", type=float, default=1.0, help="spike size x base step (default 1.0)")
     p.add_argument("--groups", type=int, default=1, help="peer groups, e.g. pipeline stages (default 1)")
+    real = p.add_argument_group("noise of real clusters (all off by default)")
+    real.add_argument("--offset", type=float, default=0.0,
+                      help="persistent per-rank offsets, uniform in [-X, +X] (heterogeneous hardware)")  # fmt: skip
+    real.add_argument("--spike-tail", type=float, default=0.0,
+                      help="heavy-tailed spikes: Pareto shape (e.g. 1.5), same mean as --spike-mag")  # fmt: skip
+    real.add_argument("--stall-every", type=int, default=0, help="all ranks stall every N steps (GC, checkpoint)")
+    real.add_argument("--stall-mag", type=float, default=0.5, help="stall size x base step (default 0.5)")
+    real.add_argument("--host-noise", type=float, default=0.0, help="per-step jitter shared by a host's 8 ranks")
+    real.add_argument("--rank-drift", type=float, default=0.0,
+                      help="slow mean-reverting per-rank drift: its standard deviation (e.g. 0.02)")  # fmt: skip
+    real.add_argument("--drift-steps", type=int, default=3000, help="... its correlation time in steps (default 3000)")
+    real.add_argument(
+        "--bootstrap",
+        metavar="CSV",
+        help="resample per-step noise from real healthy runs (as benchmarks/record_noise.py writes)",
+    )
     p.add_argument("--force", action="store_true", help="overwrite an existing run in OUT_DIR")
     p.set_defaults(func=cmd_simulate)
 

@@ -6,12 +6,10 @@ Design (DESIGN.md, "Peers, consistency, cause, cost"):
 2. Per step, each rank's relative excess over its peers' robust reference:
    ``e = busy / median(peers' busy) - 1``; peers are the ranks of the same group
    (role, e.g. pipeline stage); leave-one-out medians for small groups.
-3. Consistency: a rank is flagged when the rolling median of ``e`` over
-   ``window`` steps stays above the *on* threshold for ``confirm`` steps, and
-   cleared when it stays below the *off* threshold as long (hysteresis: a spike
-   moves no median, a flag never flaps). Thresholds adapt to the run's noise:
-   ``max(min_slowdown, z * standard error of a window median)``, the noise being
-   each rank's step-to-step jitter around its own rolling median (robust: MAD).
+3. Consistency (``consistency.py``): a rank is flagged when a change of its excess over its own
+   baseline (a CUSUM, at least ``min_slowdown``) or its level over its peers (above
+   ``tolerance`` plus a noise margin) persists for ``confirm`` steps, and cleared when it is
+   back as long (hysteresis: a spike moves no median, a flag never flaps).
 4. Onset/end: a sign-CUSUM change point inside the detection window.
 5. Cause: the phase (data, compute = forward + backward, optimizer, other)
    whose excess over the healthy peers is largest during the flagged steps.
@@ -30,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pandas as pd
 
+from .consistency import Rule
+from .consistency import flags as consistency_flags
 from .schema import PHASE_COLUMNS
 
 CAUSES = {
@@ -43,15 +43,22 @@ MATRIX_COLUMNS = ("busy_s", "step_s", "comm_wait_s", *PHASE_COLUMNS)
 
 @dataclass(frozen=True)
 class DetectConfig:
-    window: int = 24  # steps in the rolling median (fast detection of clear stragglers)
-    long_window: int = 0  # a second, longer median for subtle stragglers in noisy runs (0: off)
-    confirm: int = 5  # consecutive steps above (below) the threshold to flag (clear)
-    min_slowdown: float = 0.06  # relative busy excess a flag needs at the least
-    z: float = 6.0  # noise multiple a window median must exceed
-    off_ratio: float = 0.5  # clear threshold as a fraction of the flag threshold
+    window: int = 16  # steps of the short median a flag needs to persist over
+    level_window: int = 64  # steps of the level median and of a rank's own baseline
+    confirm: int = 3  # consecutive steps a test must hold to flag (and fail to clear)
+    min_slowdown: float = 0.06  # smallest change of a rank's busy time that is flagged
+    tolerance: float = 0.05  # a rank up to this much slower than its peers for ever is healthy
+    z: float = 5.0  # noise margin of the level test, in standard errors of its median
+    decision: float = 14.0  # CUSUM alarm level in nats (log-likelihood ratio of a 6% change to a 2% one)
+    clip: float = 4.0  # largest weight of one step in the CUSUM, in noise units
+    off_ratio: float = 0.5  # a flag clears below this fraction of its threshold
     min_step_fraction: float = 0.03  # excess must also cost at least this fraction of the step
     comm_bound_fraction: float = 0.5  # bottleneck rank waiting this much of its step: comm-bound
     group_min_slowdown: float = 0.10  # a group this much busier than the others: imbalance
+
+    def rule(self) -> Rule:
+        return Rule(self.window, self.level_window, self.confirm, self.min_slowdown, self.tolerance, self.z,
+                    self.decision, self.clip, self.off_ratio)  # fmt: skip
 
 
 @dataclass
@@ -198,24 +205,6 @@ def nanmedian(a: np.ndarray, axis: int) -> np.ndarray:
     return np.where(n == 0, np.nan, out)
 
 
-def _rolling_median(x: np.ndarray, window: int) -> np.ndarray:
-    return pd.DataFrame(x).rolling(window, min_periods=window).median().to_numpy()
-
-
-def _hysteresis(above: np.ndarray, below: np.ndarray, confirm: int) -> np.ndarray:
-    steps, ranks = above.shape
-    state = np.zeros(ranks, dtype=bool)
-    run_on = np.zeros(ranks, dtype=np.int32)
-    run_off = np.zeros(ranks, dtype=np.int32)
-    flags = np.zeros((steps, ranks), dtype=bool)
-    for s in range(steps):
-        run_on = np.where(above[s], run_on + 1, 0)
-        run_off = np.where(below[s], run_off + 1, 0)
-        state = (state & (run_off < confirm)) | (~state & (run_on >= confirm))
-        flags[s] = state
-    return flags
-
-
 def _change_point(e: np.ndarray, lo: int, hi: int, level: float, onset: bool) -> int:
     """Index in [lo, hi] that best splits healthy from slow steps (sign CUSUM)."""
     seg = e[lo : hi + 1]
@@ -253,22 +242,10 @@ def detect(
     with np.errstate(divide="ignore", invalid="ignore"):
         excess = busy / ref - 1.0
     step_med = nanmedian(mat.values["step_s"], axis=1)
-    flags = np.zeros_like(busy, dtype=bool)
-    thresholds: dict[str, float] = {}
-    noise = 0.0
-    for w in (cfg.window, cfg.long_window):
-        if w <= 0 or not n_steps:
-            continue
-        rolled = _rolling_median(excess, w)
-        if w == cfg.window:  # per-step jitter of each rank around its own short-window median
-            jitter = np.abs(excess - rolled)
-            noise = 1.4826 * float(np.nanmedian(jitter)) if np.isfinite(jitter).any() else 0.0
-        on = max(cfg.min_slowdown, cfg.z * 1.2533 * noise / np.sqrt(w))
-        thresholds.update({f"on_{w}": on, f"off_{w}": on * cfg.off_ratio})
-        # the excess must also cost a noticeable part of the step
-        big_enough = rolled * ref > cfg.min_step_fraction * step_med[:, None]
-        flags |= _hysteresis((rolled > on) & big_enough, ~(rolled > on * cfg.off_ratio), cfg.confirm)
-    thresholds["noise"] = noise
+    # the excess must also cost a noticeable part of the step
+    with np.errstate(invalid="ignore"):
+        costly = excess * ref > cfg.min_step_fraction * step_med[:, None]
+    flags, thresholds = consistency_flags(excess, costly, cfg.rule())
 
     # healthy reference: median over the unflagged ranks of the group, per step
     healthy = np.where(flags, np.nan, busy)
@@ -326,7 +303,7 @@ def _describe(
     e = excess[:, j]
     stop = (end if end is not None else len(e)) - 1
     level = float(np.nanmedian(e[start : stop + 1]))
-    look = max(cfg.window, cfg.long_window) + cfg.confirm
+    look = cfg.level_window + cfg.window + cfg.confirm  # the latest a flag can rise after the onset
     first = _change_point(e, max(0, start - look), start, level, onset=True)
     last = None if end is None else _change_point(e, max(first, end - look), end, level, onset=False)
     span = slice(first, (last if last is not None else stop) + 1)

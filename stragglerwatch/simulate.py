@@ -6,8 +6,8 @@ forward 30%, backward 55%, optimizer 5%, other 5%), scaled by a per-(step, rank)
 log-normal jitter (``noise``) and a per-step job-wide drift; transient spikes hit
 random (step, rank) cells; optionally the noise of real clusters (persistent per-rank
 offsets, heavy-tailed spikes, periodic job-wide stalls, noise shared by a host's ranks,
-slow per-rank drift); an injected straggler adds ``slowdown`` x base to its
-cause's phase from ``onset`` to ``end``. The all-reduce barrier makes every
+slow per-rank drift, per-step residuals resampled from real healthy runs); an injected
+straggler adds ``slowdown`` x base to its cause's phase from ``onset`` to ``end``. The all-reduce barrier makes every
 rank's step the busiest rank's busy time plus the transfer time, so each rank's
 exposed wait is ``step - busy`` — the same arithmetic as a real run.
 """
@@ -80,7 +80,10 @@ class SimConfig:
     stall_mag: float = 0.5  # ... by this x base busy time
     host_noise: float = 0.0  # per-(step, host) relative jitter shared by the ranks of a host
     ranks_per_host: int = 8
-    rank_drift: float = 0.0  # per-rank slow random-walk drift: its sigma over the whole run
+    rank_drift: float = 0.0  # per-rank slow drift (mean-reverting, log scale): its standard deviation
+    drift_steps: int = 3000  # ... and its correlation time in steps (5 minutes of 100 ms steps)
+    bootstrap: str = ""  # file of real healthy per-step residuals (see ``read_residuals``) to resample
+    bootstrap_block: int = 25  # steps per resampled block (keeps the real runs' short-range correlation)
 
 
 def simulate_arrays(cfg: SimConfig) -> dict[str, np.ndarray]:
@@ -117,7 +120,7 @@ def simulate_arrays(cfg: SimConfig) -> dict[str, np.ndarray]:
 def _realistic_noise(cfg: SimConfig, out: dict[str, np.ndarray], spikes: np.ndarray, base: float) -> None:
     """The noise of real clusters that independent jitter lacks (the fields of SimConfig after
     ``groups``), applied in place; a generator of its own keeps the base simulation unchanged."""
-    if not (cfg.offset or cfg.spike_tail or cfg.stall_every or cfg.host_noise or cfg.rank_drift):
+    if not (cfg.offset or cfg.spike_tail or cfg.stall_every or cfg.host_noise or cfg.rank_drift or cfg.bootstrap):
         return
     rng = np.random.default_rng([cfg.seed, 1])
     steps, ranks = spikes.shape
@@ -127,9 +130,15 @@ def _realistic_noise(cfg: SimConfig, out: dict[str, np.ndarray], spikes: np.ndar
     if cfg.host_noise:
         hosts = np.arange(ranks) // max(1, cfg.ranks_per_host)
         factor *= np.exp(cfg.host_noise * rng.standard_normal((steps, int(hosts[-1]) + 1)))[:, hosts]
-    if cfg.rank_drift:
-        walk = np.cumsum(rng.standard_normal((steps, ranks)), axis=0) * (cfg.rank_drift / np.sqrt(steps))
-        factor *= np.exp(walk)
+    if cfg.rank_drift:  # Ornstein-Uhlenbeck: wanders, but stays within a few standard deviations
+        phi = float(np.exp(-1.0 / max(1, cfg.drift_steps)))
+        kick = rng.standard_normal((steps, ranks)) * cfg.rank_drift * np.sqrt(1.0 - phi**2)
+        level = rng.standard_normal(ranks) * cfg.rank_drift
+        for s in range(steps):
+            level = phi * level + kick[s]
+            factor[s] *= np.exp(level)
+    if cfg.bootstrap:
+        factor *= np.exp(_resample(read_residuals(cfg.bootstrap), steps, ranks, cfg.bootstrap_block, rng))
     for col in PHASE_SHARES:
         out[col] *= factor
     if cfg.spike_tail:  # replace the fixed spikes by heavy-tailed ones of the same mean
@@ -145,6 +154,30 @@ def _realistic_noise(cfg: SimConfig, out: dict[str, np.ndarray], spikes: np.ndar
         rows = np.arange(cfg.stall_every - 1, steps, cfg.stall_every)
         jitter = np.exp(0.05 * rng.standard_normal((len(rows), ranks)))
         out["other_s"][rows] += cfg.stall_mag * base * jitter
+
+
+def read_residuals(path: str | Path) -> np.ndarray:
+    """Steps x series of log residuals (a rank's busy time over its step's median across ranks) from a
+    CSV with one column per series, as written by ``benchmarks/record_noise.py``."""
+    try:
+        values = pd.read_csv(path).to_numpy(dtype=float)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"bootstrap residuals {path}: {exc}") from None
+    if values.ndim != 2 or values.shape[0] < 2 or not np.isfinite(values).any():
+        raise ValueError(f"bootstrap residuals {path}: no numeric columns of two steps or more")
+    return values
+
+
+def _resample(series: np.ndarray, steps: int, ranks: int, block: int, rng: np.random.Generator) -> np.ndarray:
+    """Steps x ranks: each rank a concatenation of random blocks of random real series (block bootstrap)."""
+    block = max(1, min(block, series.shape[0]))
+    out = np.empty((steps, ranks))
+    for start in range(0, steps, block):
+        n = min(block, steps - start)
+        cols = rng.integers(series.shape[1], size=ranks)
+        rows = rng.integers(series.shape[0] - n + 1, size=ranks)[None, :] + np.arange(n)[:, None]
+        out[start : start + n] = series[rows, cols[None, :]]
+    return np.nan_to_num(out - np.nanmedian(series))
 
 
 def to_frame(cfg: SimConfig, arrays: dict[str, np.ndarray] | None = None) -> pd.DataFrame:
