@@ -17,7 +17,9 @@ time must exceed theirs by about as much, and ``analyze`` must flag it with caus
 Then an FSDP2 (``fully_shard``) job whose last rank's GPU is late by as much in forward: the
 peers' waits for FSDP2's all-gathers and reduce-scatters (on the compute stream) must be
 ``collective_wait_s`` and the late rank flagged with cause ``compute``.
-Prints the figures; exits 1 if a check fails.
+Where the NVML bindings are installed (``stragglerwatch[gpu]``), every rank's context samples must
+name its own GPU (the UUID torch reports for it) and hold its SM clock, clock event reasons and
+temperature. Prints the figures; exits 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -151,7 +153,34 @@ def check(run_dir: str, ratio: float, world: int) -> list[str]:
         print(f"gpu_check: analyze flags {flagged}")
         if flagged != [(world - 1, "other")]:
             failures.append(f"analyze flagged {flagged}, not rank {world - 1} (other)")
+    failures += context_check(run_dir)
     print("gpu_check: " + ("OK" if not failures else "FAILED: " + "; ".join(failures)))
+    return failures
+
+
+def context_check(run_dir: str) -> list[str]:
+    """Rank 0's GPU context: its own device, with clocks, reasons and temperature."""
+    from stragglerwatch.gpuctx import cuda_uuid, decode_reasons, load_nvml
+
+    ctx = stragglerwatch.load_context(run_dir)
+    mine = ctx[ctx["rank"] == 0]
+    if load_nvml() is None:
+        print("gpu_check: no NVML bindings (pip install nvidia-ml-py): GPU context not checked")
+        return []
+    if mine.empty:
+        return ["no context sample of rank 0"]
+    last = mine.iloc[-1]
+    print(f"gpu_check: context: {len(mine)} samples of rank 0, {mine['sample_s'].median() * 1e6:.0f} us a sample; "
+          f"GPU {last['gpu']} {last['gpu_uuid']}, SM {last['sm_clock_mhz']:.0f}/{last['sm_clock_max_mhz']:.0f} MHz, "
+          f"{last['temperature_c']:.0f} C, {last['power_w']:.0f}/{last['power_limit_w']:.0f} W, reasons "
+          f"{decode_reasons(int(last['clock_reasons']))}, XIDs {last['xid_events']}, "
+          f"PCIe replays {last['pcie_replays']}")  # fmt: skip
+    failures = []
+    own = cuda_uuid(torch.cuda.current_device())
+    if last["gpu_uuid"] != own:
+        failures.append(f"context names GPU {last['gpu_uuid']}, not this rank's {own}")
+    if not (last["sm_clock_mhz"] > 0 and last["clock_reasons"] >= 0 and last["temperature_c"] > 0):
+        failures.append("the GPU context lacks the SM clock, the clock event reasons or the temperature")
     return failures
 
 

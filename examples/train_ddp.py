@@ -16,8 +16,10 @@ S seconds before step N (the others then wait in the all-reduce); ``--kill-rank 
 --kill-at-step N`` SIGKILLs rank R there (torchrun then tears the job down).
 The model has a BatchNorm layer by default (``--model bn``), so DDP broadcasts its buffers at
 every forward, and the loop all-reduces its loss for logging every ``--log-every`` steps, as
-real jobs do; ``--model mlp --log-every 0`` is the bare loop. The training loop itself is plain
-PyTorch: stragglerwatch only sees it through ``attach(model)`` and ``watch.wrap(loader)``.
+real jobs do; ``--model mlp --log-every 0`` is the bare loop. ``--pin-cpus 0,1`` pins rank 0 to
+CPU 0 and rank 1 to CPU 1 (to contend one rank's CPU on purpose, as ``tests/test_context_distributed.py``
+does). The training loop itself is plain PyTorch: stragglerwatch only sees it through
+``attach(model)`` and ``watch.wrap(loader)``.
 """
 
 from __future__ import annotations
@@ -129,12 +131,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-timings", action="store_true", help="also time each gradient bucket (comm hook)")
     p.add_argument("--no-watch", action="store_true", help="run without stragglerwatch (for comparison)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank (default 1)")
+    p.add_argument("--pin-cpus", metavar="LIST",
+                   help="pin rank r to CPU LIST[r] (comma-separated, e.g. 0,1,0,0; cycled when shorter)")  # fmt: skip
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.pin_cpus:
+        cpus = [int(c) for c in args.pin_cpus.split(",")]
+        os.sched_setaffinity(0, {cpus[int(os.environ.get("RANK", 0)) % len(cpus)]})
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

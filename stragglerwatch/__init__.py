@@ -1,7 +1,8 @@
 """stragglerwatch: find the slow and the stuck ranks of PyTorch DDP training jobs.
 
 Public API: :func:`attach` (returns a :class:`Watch`), :class:`Config` (every setting of
-attach, documented field by field), :func:`load_run`, :class:`RunDirError`, the errors a
+attach, documented field by field), :func:`load_run`, :func:`load_context` (the ranks' host and
+GPU context samples), :class:`RunDirError`, the errors a
 mistaken call raises (:class:`ConfigError`, :class:`AttachError`), ``__version__``.
 Everything else is internal. Runtime messages go to the ``stragglerwatch`` logger.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .config import Config, ConfigError  # noqa: E402
+from .context import load_context  # noqa: E402
 from .eventlog import RunDirError, RunDirWarning, load_run  # noqa: E402
 from .runinfo import AttachError  # noqa: E402
 from .watch import Watch, attach  # noqa: E402
@@ -24,5 +26,6 @@ __all__ = [
     "Watch",
     "__version__",
     "attach",
+    "load_context",
     "load_run",
 ]

@@ -6,7 +6,10 @@ Report (``--format json``), schema ``stragglerwatch-report/1``:
 ``job_slowdown`` (S = T_actual / T_ideal), ``lost_seconds``, ``lost_gpu_seconds``,
 ``communication_bound``, ``comm_fraction``, ``stragglers`` (each ``rank``,
 ``host``, ``cause``, ``slowdown``, ``first_step``, ``last_step``,
-``detected_step``, ``lost_seconds``, ``lost_gpu_seconds``, ``excess_ms``),
+``detected_step``, ``lost_seconds``, ``lost_gpu_seconds``, ``excess_ms``, ``time_span``: Unix
+seconds from its first flagged step's start to its last's end, and ``context``: the host and GPU
+context signals in which it differed from its peers then, each ``signal``, ``value``, ``peers``
+(their median) and ``text``, empty when none did or the run has no context; see ``explain.py``),
 ``group_imbalance``, ``hangs``, ``ranks`` (per-rank medians), ``thresholds``, and
 ``attempts``: the run's attempts (``restart``, ``attach``, ``first_step``, ``last_step`` in
 the report's step numbering, which continues across them), and
@@ -25,9 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
+from .context import load_context
 from .detect import MATRIX_COLUMNS, DetectConfig, StepMatrix, Verdict, detect, matrix_from_columns, nanmedian
 from .eventlog import read_logs
+from .explain import StepTimes, explain, span
 from .hangs import hangs_from_events
 from .runinfo import read_rank_meta, read_run_meta
 from .schema import PHASE_COLUMNS
@@ -42,6 +48,7 @@ class Analysis:
     report: dict[str, Any]
     matrix: StepMatrix
     verdict: Verdict
+    context: pd.DataFrame | None = None  # the run's host and GPU context samples (``context.py``)
 
 
 def _num(x: float, digits: int = 6) -> float | None:
@@ -67,7 +74,12 @@ def rank_rows(mat: StepMatrix, verdict: Verdict, rank_meta: dict[int, dict]) -> 
 
 
 def build_report(
-    mat: StepMatrix, verdict: Verdict, run_meta: dict | None, rank_meta: dict[int, dict]
+    mat: StepMatrix,
+    verdict: Verdict,
+    run_meta: dict | None,
+    rank_meta: dict[int, dict],
+    context: pd.DataFrame | None = None,
+    step_times: StepTimes | None = None,
 ) -> dict[str, Any]:
     world = int(run_meta["world_size"]) if run_meta else len(mat.ranks)
     hosts = {r: m.get("host") for r, m in rank_meta.items()}
@@ -78,7 +90,14 @@ def build_report(
         d["host"] = hosts.get(s.rank)
         d["lost_seconds"] = _num(s.lost_seconds, 4)
         d["lost_gpu_seconds"] = _num(s.lost_seconds * world, 3)
+        window = span(step_times, s.first_step, s.last_step) if step_times is not None else None
+        d["time_span"] = [round(t, 3) for t in window] if window else None
+        d["context"] = []
         stragglers.append(d)
+    if context is not None and step_times is not None and stragglers:
+        roles = {r: m.get("role") for r, m in rank_meta.items()}
+        for d, found in zip(stragglers, explain(context, stragglers, step_times, roles), strict=True):
+            d["context"] = found
     report = {
         "schema": REPORT_SCHEMA,
         "run_id": run_meta.get("run_id") if run_meta else None,
@@ -125,7 +144,7 @@ def analyze_run(
 ) -> Analysis:
     """Load a run dir, detect, and build the report (raises ``RunDirError``)."""
     path = Path(run_dir)
-    logs = read_logs(path, columns=[*MATRIX_COLUMNS, "restart", "attach"], progress=progress)
+    logs = read_logs(path, columns=[*MATRIX_COLUMNS, "restart", "attach", "start_time"], progress=progress)
     steps, attempts = global_steps(
         [t["step"].to_numpy() for t in logs.tables],
         [t["restart"].to_numpy() for t in logs.tables],
@@ -136,19 +155,31 @@ def analyze_run(
         steps,
         {c: [t[c].to_numpy() for t in logs.tables] for c in MATRIX_COLUMNS},
     )
+    times = step_times(mat, [t["rank"].to_numpy() for t in logs.tables], steps,
+                       [t["start_time"].to_numpy() for t in logs.tables])  # fmt: skip
     del logs
     rank_meta = read_rank_meta(path)
     roles = {r: m["role"] for r, m in rank_meta.items() if m.get("role") is not None}
     verdict = detect(mat, config, groups=roles or None)
     run_meta = read_run_meta(path)
-    report = build_report(mat, verdict, run_meta, rank_meta)
+    context = load_context(path)
+    report = build_report(mat, verdict, run_meta, rank_meta, context if len(context) else None, times)
     report["run_dir"] = str(path)
     events, bad = read_events(path)
     report["hangs"] = hangs_from_events(events, report["world_size"], last_steps(mat))
     _native_dumps(path, report["hangs"])
     report["events"] = {"count": len(events), "skipped_lines": bad}
     report["attempts"] = attempts
-    return Analysis(report, mat, verdict)
+    return Analysis(report, mat, verdict, context if len(context) else None)
+
+
+def step_times(mat: StepMatrix, ranks: list[np.ndarray], steps: list[np.ndarray], starts: list[np.ndarray]
+               ) -> StepTimes:  # fmt: skip
+    """(step, start, end) of every step of the matrix (Unix seconds; the median over its ranks)."""
+    start = np.full(mat.values["step_s"].shape, np.nan)
+    for r, s, t in zip(ranks, steps, starts, strict=True):
+        start[np.searchsorted(mat.steps, s), np.searchsorted(mat.ranks, r)] = t
+    return mat.steps, nanmedian(start, axis=1), nanmedian(start + mat.values["step_s"], axis=1)
 
 
 def _native_dumps(run_dir: Path, hangs: list[dict[str, Any]]) -> None:

@@ -85,6 +85,12 @@ class Config:
     fsync_interval_s: float = 10.0
     """How often the step log is also fsynced: what a machine crash (not a process crash) can lose."""
 
+    context_interval_s: float = 1.0
+    """Seconds between two samples of the rank's host and GPU context (CPU pressure and steal, its
+    threads' scheduling, its data-loader workers, memory; the GPU's clocks, throttle reasons, heat,
+    power and errors through NVML), taken on a background thread into ``context-NNNNN.arrows``.
+    At least 1 s; ``0`` turns the sampler off."""
+
     enabled: bool = True
     """``False`` (or ``$STRAGGLERWATCH_DISABLE=1``) makes ``attach`` a no-op returning an inert handle."""
 
@@ -135,5 +141,7 @@ class Config:
             raise ConfigError("flush_interval_s must be > 0 and fsync_interval_s >= 0")
         if self.watchdog_timeout_s is not None and self.watchdog_timeout_s < 0:
             raise ConfigError("watchdog_timeout_s must be >= 0 (0 turns the watchdog off)")
+        if self.context_interval_s != 0 and not self.context_interval_s >= 1.0:
+            raise ConfigError(f"context_interval_s must be >= 1 (or 0: no sampling), not {self.context_interval_s}")
         if self.prometheus_port is not None and not 0 < int(self.prometheus_port) < 65536:
             raise ConfigError(f"prometheus_port {self.prometheus_port} is not a port")

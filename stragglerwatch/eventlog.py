@@ -226,7 +226,7 @@ class EventLogWriter:
                 self._file.flush()
                 os.fsync(self._file.fileno())
                 self._file.close()
-                _compact(self.path)
+                compact_stream(self.path)
             except Exception as exc:
                 self._fail("finish", f"cannot finish {self.path} (it stays readable as a stream): {exc}")
             self._writer = self._file = None
@@ -240,11 +240,12 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _compact(stream_path: Path) -> None:
+def compact_stream(stream_path: Path, read: Callable[[Path], pa.Table | None] | None = None) -> None:
     """The stream as Parquet, crash-safe: written under a temporary name and fsynced, renamed,
     the directory fsynced, and only then the stream removed. A crash at any point leaves the
-    stream, the Parquet file, or both (readers prefer the Parquet file); never neither."""
-    table = _read_stream(stream_path, quiet=True)
+    stream, the Parquet file, or both (readers prefer the Parquet file); never neither.
+    ``read``: the stream's reader (default the step log's)."""
+    table = read(stream_path) if read is not None else _read_stream(stream_path, quiet=True)
     if table is None:
         return
     final = stream_path.with_suffix(".parquet")
@@ -263,15 +264,18 @@ def _warn(message: str) -> None:
     warnings.warn(message, RunDirWarning, stacklevel=3)
 
 
-def _read_stream(path: Path, quiet: bool = False) -> pa.Table | None:
-    warn = (lambda message: None) if quiet else _warn
+def read_arrow_stream(
+    path: Path, check: Callable[[pa.Schema], str | None], warn: Callable[[str], None], noun: str = "steps"
+) -> pa.Table | None:
+    """The readable batches of an Arrow IPC stream (up to a batch cut short by a crash); None for a
+    stream ``check`` refuses (its message is warned) or that is not one. FileNotFoundError passes."""
     batches = []
     try:
         # memory-mapped: batches point into the file, so a damaged length can never make the
         # reader allocate more than the file holds
         with pa.memory_map(str(path), "r") as src:
             reader = pa.ipc.open_stream(src)
-            problem = schema_compatible(reader.schema)
+            problem = check(reader.schema)
             if problem:
                 warn(f"{path}: skipped: {problem}")
                 return None
@@ -280,7 +284,7 @@ def _read_stream(path: Path, quiet: bool = False) -> pa.Table | None:
                     batch.validate(full=True)  # a batch whose bytes were damaged is where the readable part ends
                     batches.append(batch)
             except (pa.ArrowException, OSError, EOFError, ValueError) as exc:
-                warn(f"{path}: truncated after {sum(len(b) for b in batches)} steps (rank killed?): {exc}")
+                warn(f"{path}: truncated after {sum(len(b) for b in batches)} {noun} (rank killed?): {exc}")
             return pa.Table.from_batches(batches, schema=reader.schema)
     except FileNotFoundError:
         raise
@@ -289,6 +293,10 @@ def _read_stream(path: Path, quiet: bool = False) -> pa.Table | None:
             return None  # created, nothing flushed yet
         warn(f"{path}: skipped: not an Arrow stream ({exc})")
         return None
+
+
+def _read_stream(path: Path, quiet: bool = False) -> pa.Table | None:
+    return read_arrow_stream(path, schema_compatible, (lambda message: None) if quiet else _warn)
 
 
 def _read_log(path: Path, columns: list[str]) -> pa.Table | None:

@@ -2,7 +2,9 @@
 
 ``python -m stragglerwatch.grafana grafana/dashboards`` writes ``stragglerwatch.json`` (one run:
 step time, throughput, busy time and its ratio to the peer median per rank, the slowest ranks with
-their cause, the phase breakdown, exposed communication, watchdog stalls, time lost, firing alerts) and
+their cause, the phase breakdown, exposed communication, watchdog stalls, time lost, firing alerts,
+and the ranks' host and GPU context: CPU contention, context switches, GPU clocks and their slowdown
+reasons, temperature and power, GPU errors) and
 ``stragglerwatch-overview.json`` (all runs at a glance). A test checks that the committed files are
 what this module generates and runs every query against a real Prometheus.
 """
@@ -144,8 +146,55 @@ def run_dashboard() -> dict[str, Any]:
         panel(10, "Firing alerts", "table", (0, 41, 24, 6), [
             target(f'ALERTS{{{RUN}, alertstate="firing"}}', "{{alertname}} rank {{rank}}", instant=True, table=True),
         ], links=[RULES_LINK]),
+        *context_panels(11, 47),
     ]  # fmt: skip
     return _dashboard("stragglerwatch-run", "stragglerwatch: run", panels, _templating(), _annotations())
+
+
+def context_panels(first_id: int, y: int) -> list[dict[str, Any]]:
+    """Why is it slow: the ranks' host and GPU context (``ctxmetrics.py``). GPU series exist only on GPU
+    ranks and carry DCGM's labels (``gpu``, ``UUID``, ``Hostname``): join them with DCGM's on ``UUID``."""
+    gpu = "by (rank, gpu, UUID)"
+    return [
+        panel(first_id, "CPU contention per rank", "timeseries", (0, y, 12, 8), [
+            target(f"stragglerwatch_process_run_delay_ratio{{{RANKS}}}", "rank {{rank}} waiting for a CPU"),
+            target(f"max by (host) (stragglerwatch_host_cpu_pressure_ratio{{{RANKS}}})", "CPU pressure {{host}}", "B"),
+            target(f"max by (rank) (stragglerwatch_host_cpu_steal_ratio{{{RANKS}}})", "rank {{rank}} steal", "C"),
+        ], fieldConfig=_unit("percentunit"), description="Share of time each rank's training thread waited, "
+            "runnable, for a CPU (its run-queue delay); the host's CPU pressure (PSI some avg10); hypervisor steal "
+            "on the rank's CPUs. A rank whose CPU is contended waits more than its peers."),
+        panel(first_id + 1, "Involuntary context switches per rank", "timeseries", (12, y, 12, 8), [
+            target(f"stragglerwatch_process_involuntary_switches_per_second{{{RANKS}}}", "rank {{rank}}"),
+            target(f"stragglerwatch_workers_involuntary_switches_per_second{{{RANKS}}}", "rank {{rank}} workers",
+                   "B"),
+        ], fieldConfig=_unit("none"), description="Per second: the training thread's, and its data-loader "
+            "workers' (child processes)."),
+        panel(first_id + 2, "GPU SM clock per rank", "timeseries", (0, y + 8, 12, 8), [
+            target(f"max {gpu} (stragglerwatch_gpu_sm_clock_hertz{{{RANKS}}})", "rank {{rank}} GPU {{gpu}}"),
+        ], fieldConfig=_unit("hertz"), description="A GPU held below its peers' clock (thermal, power) slows its "
+            "rank: see the reasons below."),
+        panel(first_id + 3, "GPU clock slowdown reasons", "timeseries", (12, y + 8, 12, 8), [
+            target(f'max by (rank, gpu, reason) (stragglerwatch_gpu_clock_event_reason{{{RANKS}, '
+                   f'reason!~"gpu_idle|display_clock_setting"}}) > 0', "rank {{rank}} GPU {{gpu}} {{reason}}"),
+        ], fieldConfig=_unit("none"), description="NVML's clock event (throttle) reasons while they hold a GPU's "
+            "clocks down: power cap, thermal and hardware slowdowns, power brake, sync boost."),
+        panel(first_id + 4, "GPU temperature and power", "timeseries", (0, y + 16, 12, 8), [
+            target(f"max {gpu} (stragglerwatch_gpu_temperature_celsius{{{RANKS}}})", "rank {{rank}} °C"),
+            target(f"max {gpu} (stragglerwatch_gpu_power_watts{{{RANKS}}}) / max {gpu} "
+                   f"(stragglerwatch_gpu_power_limit_watts{{{RANKS}}}) * 100", "rank {{rank}} % of power limit", "B"),
+        ], fieldConfig=_unit("none")),
+        panel(first_id + 5, "GPU errors", "timeseries", (12, y + 16, 12, 8), [
+            target(f"sum {gpu} (increase(stragglerwatch_gpu_pcie_replays_total{{{RANKS}}}[$__rate_interval]))",
+                   "rank {{rank}} PCIe replays"),
+            target(f"sum {gpu} (increase(stragglerwatch_gpu_nvlink_errors_total{{{RANKS}}}[$__rate_interval]))",
+                   "rank {{rank}} NVLink errors", "B"),
+            target(f"sum by (rank, gpu, UUID, type) (increase(stragglerwatch_gpu_ecc_errors_total{{{RANKS}}}"
+                   f"[$__rate_interval]))", "rank {{rank}} ECC {{type}}", "C"),
+            target(f"sum {gpu} (increase(stragglerwatch_gpu_xid_events_total{{{RANKS}}}[$__rate_interval]))",
+                   "rank {{rank}} XID", "D"),
+        ], fieldConfig=_unit("none"), description="New errors per interval: a degraded PCIe link replays, a "
+            "failing NVLink retries; XIDs are the driver's critical errors (last code: stragglerwatch_gpu_last_xid)."),
+    ]  # fmt: skip
 
 
 def overview_dashboard() -> dict[str, Any]:

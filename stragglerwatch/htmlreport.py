@@ -8,7 +8,8 @@ from typing import Any
 
 from . import figures
 from .analysis import Analysis
-from .render import hang_line, verdict_lines
+from .ctxfigure import context_figure
+from .render import context_text, hang_line, verdict_lines
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
@@ -49,7 +50,7 @@ def render_html(analysis: Analysis) -> str:
         parts.append("<h2>Stragglers</h2>")
         parts.append(
             _table(
-                report["stragglers"],
+                [{**s, "why": context_text(s)} for s in report["stragglers"]],
                 [
                     ("rank", "rank"),
                     ("host", "host"),
@@ -60,6 +61,7 @@ def render_html(analysis: Analysis) -> str:
                     ("detected_step", "detected at"),
                     ("lost_seconds", "time lost (s)"),
                     ("lost_gpu_seconds", "GPU-s lost"),
+                    ("why", "host and GPU context"),
                 ],
             )  # fmt: skip
         )
@@ -84,6 +86,10 @@ def render_html(analysis: Analysis) -> str:
     figs = [figures.heatmap(mat, verdict), figures.breakdown(mat, verdict)]
     if report["stragglers"]:
         figs.append(figures.busy_band(mat, verdict))
+        if analysis.context is not None:
+            rank = report["stragglers"][0]["rank"]
+            spans = [tuple(s["time_span"]) for s in report["stragglers"] if s["rank"] == rank and s["time_span"]]
+            figs.append(context_figure(analysis.context, rank, spans))
     for i, fig in enumerate(figs):
         parts.append(fig.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False))
     parts.append("<h2>Per rank</h2>")

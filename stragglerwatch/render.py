@@ -45,6 +45,9 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
                 f"cause: {s['cause']} (+{excess:.1f} ms/step); cost {_duration(s['lost_seconds'])} "
                 f"({s['lost_gpu_seconds']:.0f} GPU-s)"
             )
+            why = context_text(s)
+            if why:
+                lines.append(f"    why: {why}")
     else:
         lines.append("no consistently slow rank.")
     attempts = report.get("attempts") or []
@@ -71,6 +74,11 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
         f"({_duration(report['lost_seconds'])} lost to stragglers and jitter, {report['lost_gpu_seconds']:.0f} GPU-s)"
     )
     return lines
+
+
+def context_text(straggler: dict[str, Any]) -> str:
+    """What its host and GPU context say about a straggler (``explain.py``), in one sentence; "" if nothing."""
+    return "; ".join(f["text"] for f in straggler.get("context") or [])
 
 
 def hang_line(h: dict[str, Any]) -> str:

@@ -11,7 +11,9 @@ Files of a run dir:
 - ``run.json``: written once by rank 0 (run id, world size, versions, config);
 - ``rank-NNNNN.json``: per rank (host, local rank, pid, device, timing clock, role, and
   ``busy_unavailable``: why this rank's busy time cannot be trusted, when it cannot);
-- ``rank-NNNNN.arrows`` / ``.parquet``: the step log (``eventlog.py``).
+- ``rank-NNNNN.arrows`` / ``.parquet``: the step log (``eventlog.py``);
+- ``context-NNNNN.arrows`` / ``.parquet``: the rank's host and GPU context, sampled about once a
+  second (``context.py``, ``sampler.py``).
 """
 
 from __future__ import annotations

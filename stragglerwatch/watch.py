@@ -33,6 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .config import Config
 from .coverage import UnavailableNotes, unseen_communication
+from .ctxmetrics import ContextCollector
 from .eventlog import EventLogWriter, log_path
 from .exporter import Exporter, RankCollector, RankMetrics
 from .log import Problems
@@ -40,6 +41,7 @@ from .models import ModelInfo, inspect_model, mesh_role
 from .peers import PeerBoard
 from .probes import StepProbe, TimedIterable, cuda_mark
 from .runinfo import AttachError, RunInfo, discover, write_meta
+from .sampler import ContextSampler
 from .shadows import time_as_forward, time_buffer_sync, time_fetch, time_forward, time_fsdp_waits
 from .taps import tap_collectives, tap_scaler
 from .timing import resolve_cuda
@@ -52,6 +54,10 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _check_comm_hook_free(model: DistributedDataParallel) -> None:
@@ -76,6 +82,7 @@ class Watch:
         self._watchdog: Watchdog | None = None
         self._shutdown: ShutdownHooks | None = None
         self._exporter: Exporter | None = None
+        self._context: ContextSampler | None = None
         self._notes: UnavailableNotes | None = None
         self._handles: list[Any] = []
         self._last: Any = None  # the latest step record written
@@ -110,6 +117,7 @@ class Watch:
             "stalled": bool(wd and wd.stalled),
             "last_step_timestamp": None if last is None else self._wall_anchor + last,
             "busy_unavailable": self._notes.reasons() if self._notes else [],
+            "context_samples": self._context.samples if self._context else 0,
             "problems": dict(self.problems.counts),
         }
 
@@ -175,6 +183,8 @@ class Watch:
             steps.append(("restore the signal handlers", self._shutdown.remove))
         if self._writer is not None:
             steps.append(("finish the step log", self._writer.close))
+        if self._context is not None:
+            steps.append(("finish the context stream", self._context.close))
         if self._exporter is not None:
             steps.append(("stop the exporter", self._exporter.close))
         for what, step in steps:
@@ -256,7 +266,7 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
     settings = {"flush_interval_s": cfg.flush_interval_s, "fsync_interval_s": cfg.fsync_interval_s,
                 "watchdog_timeout_s": cfg.watchdog_timeout_s, "prometheus_port": cfg.prometheus_port,
                 "ddp": is_ddp, "fsdp2": parts.fsdp2, "compiled": parts.compiled,
-                "bucket_timings": bucket_timings}  # fmt: skip
+                "bucket_timings": bucket_timings, "context_interval_s": cfg.context_interval_s}  # fmt: skip
     role = cfg.role if cfg.role is not None else mesh_role(parts.mesh)
     rank_meta: dict[str, Any] = {"device": str(_model_device(model)), "timing": timing, "role": role}
     unseen = unseen_communication(parts.target or model)
@@ -297,6 +307,10 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
             flush=lambda: writer.flush(lock_timeout_s=1.0), native=native,
             ids={"restart": info.restart, "attach": info.attach}, problems=problems,
         )  # fmt: skip
+    if cfg.context_interval_s:
+        gpu = _cuda_index(_model_device(model)) if on_gpu else None
+        watch._context = ContextSampler(info.run_dir, info.rank, interval_s=cfg.context_interval_s, gpu_index=gpu,
+                                        problems=problems)  # fmt: skip
     if cfg.prometheus_port is not None:
         metrics = RankMetrics()
         writer.observers.append(metrics.observe)
@@ -305,6 +319,8 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
         watch._exporter = Exporter(collector, int(cfg.prometheus_port) + info.local_rank,
                                    cfg.prometheus_addr or "0.0.0.0", Path(cfg.sd_dir) if cfg.sd_dir else None,
                                    problems)  # fmt: skip
+        if watch._context is not None:
+            watch._exporter.registry.register(ContextCollector(watch._context, info.run_id, info.rank, info.host))
     handles = watch._handles
     handles += time_forward(parts, probe)
     handles.append(time_buffer_sync(parts, probe))
@@ -326,6 +342,8 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
     if watch._watchdog is not None:
         watch._shutdown = ShutdownHooks(watch._watchdog)
         watch._watchdog.start()
+    if watch._context is not None:
+        watch._context.start()
 
 
 __all__ = ["Watch", "attach", "TimedIterable"]

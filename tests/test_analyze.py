@@ -73,7 +73,7 @@ def test_text_and_html_reports(compute_run: Path, tmp_path: Path, capsys: pytest
     assert cli(["analyze", str(compute_run), "--format", "html", "--out", str(out)]) == 0
     page = out.read_text()
     assert page.startswith("<!DOCTYPE html>") and "rank 2 is" in page
-    assert page.count("Plotly.newPlot") == 3, "heatmap, breakdown and busy band"
+    assert page.count("Plotly.newPlot") == 4, "heatmap, breakdown, busy band and the straggler's host context"
     assert "<script src=" not in page, "self-contained: plotly.js inlined"
 
 

@@ -91,6 +91,8 @@ def test_every_query_answers_with_the_legend_labels(live_prometheus) -> None:
     assert sorted(s["metric"]["rank"] for s in ranks) == ["0", "1", "2", "3"]
     for name, model in dashboards().items():
         for where, target in queries(model):
+            if "stragglerwatch_gpu_" in target["expr"]:  # only GPU ranks have it: test_context_grafana.py
+                continue
             expr = substitute(target["expr"], run_id)
             result = prom_api(base, expr) if target.get("instant") else query_range(base, expr)
             assert result, f"{name}: {where} returned no data: {expr}"

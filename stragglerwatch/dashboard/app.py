@@ -14,6 +14,7 @@ from typing import Any
 from dash import Dash, Input, Output, State, dash_table, dcc, html, no_update
 
 from .. import figures
+from ..ctxfigure import context_figure
 from ..render import verdict_lines
 from .sources import Snapshot
 
@@ -23,6 +24,7 @@ HEATMAP = "sw-heatmap"
 BREAKDOWN = "sw-breakdown"
 RANK = "sw-rank"
 BAND = "sw-band"
+CONTEXT = "sw-context"
 EVENTS = "sw-events"
 TABLE = "sw-table"
 TICK = "sw-tick"
@@ -72,21 +74,24 @@ def render(snapshot: Snapshot, rank: int | None) -> dict[str, Any]:
     revision = str(report.get("run_id"))
     if snapshot.empty:
         blank = figures.empty("no step recorded yet")
-        heat = breakdown = band = blank
+        heat = breakdown = band = context = blank
     else:
         heat = figures.heatmap(mat, verdict)
         breakdown = figures.breakdown(mat, verdict)
         chosen = rank if rank is not None and rank in set(mat.ranks.tolist()) else default_rank(snapshot)
         band = figures.busy_band(mat, verdict, [chosen] if chosen is not None else [])
+        spans = [tuple(s["time_span"]) for s in report["stragglers"] if s["rank"] == chosen and s.get("time_span")]
+        context = context_figure(analysis.context, chosen, spans)
+        band.update_layout(title="Busy time (ms): step - exposed comm. - eval")  # half width, beside the context
     events = figures.events_timeline(snapshot.events)
-    for fig in (heat, breakdown, band, events):
+    for fig in (heat, breakdown, band, context, events):
         fig.update_layout(uirevision=revision)
     rows = [{k: r.get(k) for k, _ in TABLE_COLUMNS} for r in report["ranks"]]
     for r in rows:
         r["flagged"] = "yes" if r["flagged"] else ""
     options = [{"label": f"rank {r}", "value": int(r)} for r in mat.ranks.tolist()]
-    return {"heatmap": heat, "breakdown": breakdown, "band": band, "events": events, "rows": rows,
-            "options": options}  # fmt: skip
+    return {"heatmap": heat, "breakdown": breakdown, "band": band, "context": context, "events": events,
+            "rows": rows, "options": options}  # fmt: skip
 
 
 def create_app(source: Any, refresh_ms: int = 3000, title: str = "stragglerwatch") -> Dash:
@@ -105,7 +110,10 @@ def create_app(source: Any, refresh_ms: int = 3000, title: str = "stragglerwatch
                 [html.Label("Rank: "), dcc.Dropdown(id=RANK, clearable=False, style={"width": "220px"})],
                 style={"display": "flex", "alignItems": "center", "gap": "8px"},
             ),  # fmt: skip
-            dcc.Graph(id=BAND, **graph),
+            html.Div(
+                [dcc.Graph(id=BAND, **graph), dcc.Graph(id=CONTEXT, **graph)],
+                style={"display": "grid", "gridTemplateColumns": "1fr 1fr", "gap": "8px"},
+            ),  # the chosen rank's busy time, and beside it its host and GPU context
             dcc.Graph(id=EVENTS, config={"displaylogo": False}, style={"height": "300px"}),
             html.H3("Per rank (medians)"),
             dash_table.DataTable(
@@ -125,7 +133,8 @@ def create_app(source: Any, refresh_ms: int = 3000, title: str = "stragglerwatch
 
     @app.callback(
         Output(BANNER, "children"), Output(BANNER, "style"), Output(STATUS, "children"),
-        Output(HEATMAP, "figure"), Output(BREAKDOWN, "figure"), Output(BAND, "figure"), Output(EVENTS, "figure"),
+        Output(HEATMAP, "figure"), Output(BREAKDOWN, "figure"), Output(BAND, "figure"), Output(CONTEXT, "figure"),
+        Output(EVENTS, "figure"),
         Output(TABLE, "data"), Output(RANK, "options"), Output(RANK, "value"), Output(SEEN, "data"),
         Input(TICK, "n_intervals"), Input(RANK, "value"), State(SEEN, "data"),
     )  # fmt: skip
@@ -134,13 +143,13 @@ def create_app(source: Any, refresh_ms: int = 3000, title: str = "stragglerwatch
         key = {"version": snap.version, "rank": rank, "error": snap.error}
         status = f"source {source.label}; refreshed {_ago(snap.refreshed_at)}; {snap.analysis.report['steps']} steps"
         if seen == key:  # nothing new: leave the figures (and the user's zoom) alone
-            return (no_update,) * 2 + (status,) + (no_update,) * 8
+            return (no_update,) * 2 + (status,) + (no_update,) * 9
         if rank is None:
             rank = default_rank(snap)
         out = render(snap, rank)
         children, style = banner(snap, source.label)
         return (children, style, status, out["heatmap"],
-                out["breakdown"], out["band"], out["events"], out["rows"], out["options"], rank,
+                out["breakdown"], out["band"], out["context"], out["events"], out["rows"], out["options"], rank,
                 {**key, "rank": rank})  # fmt: skip
 
     return app
