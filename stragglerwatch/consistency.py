@@ -136,7 +136,8 @@ def flags(e: np.ndarray, costly: np.ndarray, rule: Rule) -> tuple[np.ndarray, di
     trailing = np.full_like(e, np.nan)
     n_trailing = np.ones_like(e)
     if n_steps > w:
-        trailing[w:] = rolling_median(e, lw, lw // 2)[:-w]
+        # the level median where it had at least half its window (the same median, fewer NaNs)
+        trailing[w:] = np.where(counted >= lw // 2, level, np.nan)[:-w]
         n_trailing[w:] = np.maximum(1.0, counted[:-w])
     # a rank's own baseline is uncertain (a median of at most ``lw`` steps); where the ranks show no
     # lasting offsets from one another, shrink it toward its peers' level (empirical Bayes), which
