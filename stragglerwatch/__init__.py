@@ -4,7 +4,8 @@ Public API: :func:`attach` (returns a :class:`Watch`), :class:`Config` (every se
 attach, documented field by field), :func:`load_run`, :func:`load_context` (the ranks' host and
 GPU context samples), :class:`RunDirError`, the errors a
 mistaken call raises (:class:`ConfigError`, :class:`AttachError`), ``__version__``.
-Everything else is internal. Runtime messages go to the ``stragglerwatch`` logger.
+Everything else is internal. Runtime messages go to the ``stragglerwatch`` logger. Importing the
+package does not import torch; ``attach`` does.
 """
 
 from __future__ import annotations
@@ -15,7 +16,17 @@ from .config import Config, ConfigError  # noqa: E402
 from .context import load_context  # noqa: E402
 from .eventlog import RunDirError, RunDirWarning, load_run  # noqa: E402
 from .runinfo import AttachError  # noqa: E402
-from .watch import Watch, attach  # noqa: E402
+
+
+def __getattr__(name: str) -> object:
+    """``attach`` and ``Watch`` need torch: imported on first use, so that analysis, the dashboard
+    and the command line run where torch is not installed."""
+    if name in ("attach", "Watch"):
+        from . import watch
+
+        return getattr(watch, name)
+    raise AttributeError(f"module 'stragglerwatch' has no attribute {name!r}")
+
 
 __all__ = [
     "AttachError",

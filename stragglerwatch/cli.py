@@ -216,7 +216,7 @@ def _add_dashboard(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--host", default="127.0.0.1", help="dashboard bind address (default 127.0.0.1)")
     d.add_argument("--port", type=int, default=8050, help="dashboard port (default 8050)")
     d.add_argument("--prometheus", action="store_true", help="also export metrics and run a local Prometheus")
-    d.add_argument("--metrics-port", type=int, default=9400, help="first rank's /metrics port (default 9400)")
+    d.add_argument("--metrics-port", type=int, default=19400, help="first rank's /metrics port (default 19400)")
     d.add_argument("--prometheus-port", type=int, default=9090, help="local Prometheus port (default 9090)")
     d.add_argument("--exit", action="store_true", help="exit after the report instead of serving until Ctrl-C")
     d.set_defaults(func=run_demo)

@@ -44,12 +44,14 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .hangs import classify, local_verdict
 from .log import Problems
 from .peers import PeerBoard, collective_counts
-from .probes import StepProbe
+
+if TYPE_CHECKING:  # the probe needs torch; reading a run's events must not
+    from .probes import StepProbe
 
 
 def thread_stacks(limit: int = 40) -> dict[str, str]:

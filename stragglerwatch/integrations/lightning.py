@@ -47,7 +47,7 @@ class StragglerWatch(Callback):
     """Record every rank's step anatomy with stragglerwatch during ``trainer.fit``.
 
     ``run_dir`` and ``attach_options`` are those of :func:`stragglerwatch.attach` (e.g.
-    ``prometheus_port=9400``, ``watchdog_timeout_s=120``). ``log_to_trainer`` also logs the
+    ``prometheus_port=19400``, ``watchdog_timeout_s=120``). ``log_to_trainer`` also logs the
     rank's busy ratio and, at the end, the verdict to the Trainer's loggers."""
 
     def __init__(
