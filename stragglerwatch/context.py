@@ -26,7 +26,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .eventlog import RunDirWarning, compact_stream, read_arrow_stream
+from .eventlog import RunDirWarning, compact_stream, log_files, read_arrow_stream
 
 CONTEXT_VERSION = "1.0"
 CONTEXT_KEY = b"stragglerwatch.context_version"
@@ -113,14 +113,7 @@ def _read(path: Path) -> pa.Table | None:
 
 
 def context_files(run_dir: Path) -> list[Path]:
-    found: dict[str, Path] = {}
-    for p in sorted(run_dir.iterdir()):
-        match = CONTEXT_NAME.match(p.name)
-        if match:
-            stem = p.name.rsplit(".", 1)[0]
-            if match.group(3) == "parquet" or stem not in found:
-                found[stem] = p
-    return sorted(found.values())
+    return log_files(run_dir, CONTEXT_NAME)
 
 
 def load_context(run_dir: str | os.PathLike[str]) -> pd.DataFrame:

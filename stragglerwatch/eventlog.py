@@ -324,11 +324,12 @@ def _read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table | No
     return table
 
 
-def log_files(run_dir: Path) -> list[Path]:
-    """The step logs of a run dir (a segment compacted to Parquet is read once)."""
-    found = {}
+def log_files(run_dir: Path, pattern: re.Pattern[str] = LOG_NAME) -> list[Path]:
+    """The step logs of a run dir (a segment compacted to Parquet is read once); ``pattern``: the
+    file names of another stream (its group 3 the suffix)."""
+    found: dict[str, Path] = {}
     for p in sorted(run_dir.iterdir()):
-        match = LOG_NAME.match(p.name)
+        match = pattern.match(p.name)
         if match:
             stem = p.name.rsplit(".", 1)[0]
             if match.group(3) == "parquet" or stem not in found:
