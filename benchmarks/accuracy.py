@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stragglerwatch.detect import DetectConfig, detect
+from stragglerwatch.detect import DetectConfig, Straggler, detect
 from stragglerwatch.simulate import CAUSE_PHASES, Injection, SimConfig, simulate_arrays, to_frame
 
 BANDS = ((0.05, 0.10), (0.10, 0.20), (0.20, 0.501))
@@ -94,7 +94,7 @@ def true_level(cfg: SimConfig) -> np.ndarray | None:
     return clean["busy_s"] / np.median(clean["busy_s"], axis=1, keepdims=True) - 1.0
 
 
-def drifted(flag: object, level: np.ndarray | None, tolerance: float) -> bool:
+def drifted(flag: Straggler, level: np.ndarray | None, tolerance: float) -> bool:
     """A flag on a rank that offsets or drift made truly slower than ``tolerance`` (a gray zone the
     detector may flag: it documents ranks within ``tolerance`` as healthy, not ranks above it)."""
     return level is not None and level[flag.detected_step, flag.rank] >= tolerance

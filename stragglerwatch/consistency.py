@@ -28,23 +28,13 @@ the median absolute step-to-step difference (robust to spikes, blind to offsets 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
-
-@dataclass(frozen=True)
-class Rule:
-    window: int  # steps of the short median (persistence)
-    level_window: int  # steps of the level median and of the baseline's reference window
-    confirm: int  # consecutive steps to flag / to clear
-    min_slowdown: float  # smallest change of a rank's own busy time that is flagged
-    tolerance: float  # a rank this much slower than its peers for ever is healthy
-    z: float  # noise margin of the level test, in standard errors of its median
-    decision: float  # CUSUM alarm level, in nats (log of the false-alarm interval, rank-steps)
-    clip: float  # largest weight of one step, in noise units
-    off_ratio: float  # a flag clears below this fraction of its threshold
+if TYPE_CHECKING:  # detect.py imports this module
+    from .detect import DetectConfig
 
 
 def step_noise(e: np.ndarray) -> float:
@@ -94,7 +84,7 @@ def rolling_median(x: np.ndarray, window: int, min_periods: int | None = None) -
     return frame.rolling(window, min_periods=min_periods or window).median().to_numpy()
 
 
-def flags(e: np.ndarray, costly: np.ndarray, rule: Rule) -> tuple[np.ndarray, dict[str, float]]:
+def flags(e: np.ndarray, costly: np.ndarray, rule: DetectConfig) -> tuple[np.ndarray, dict[str, float]]:
     """Steps x ranks bool flags for the excess ``e``; ``costly``: steps x ranks, the excess is worth
     reporting (a noticeable part of the step). Returns the flags and the thresholds used."""
     n_steps, n_ranks = e.shape
@@ -125,7 +115,7 @@ def flags(e: np.ndarray, costly: np.ndarray, rule: Rule) -> tuple[np.ndarray, di
     # the alarm levels need the variance of what the CUSUM sums (the clipped excess), which heavy
     # tails make larger than the robust ``noise`` says, and which slow excursions (a rank a bit
     # slower for tens of steps, as on a shared host) make larger still over the CUSUM's horizon:
-    # the long-run variance, from the means of ``window``-step blocks
+    # the long-run variance, from the means of ``window``- and ``level_window``-step blocks
     with np.errstate(invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a rank with no step
         around = np.clip(e - np.nanmedian(e, axis=0), -cap, cap)

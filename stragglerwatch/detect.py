@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pandas as pd
 
-from .consistency import Rule
 from .consistency import flags as consistency_flags
 from .schema import PHASE_COLUMNS
 
@@ -55,10 +54,6 @@ class DetectConfig:
     min_step_fraction: float = 0.03  # excess must also cost at least this fraction of the step
     comm_bound_fraction: float = 0.5  # bottleneck rank waiting this much of its step: comm-bound
     group_min_slowdown: float = 0.10  # a group this much busier than the others: imbalance
-
-    def rule(self) -> Rule:
-        return Rule(self.window, self.level_window, self.confirm, self.min_slowdown, self.tolerance, self.z,
-                    self.decision, self.clip, self.off_ratio)  # fmt: skip
 
 
 @dataclass
@@ -245,7 +240,7 @@ def detect(
     # the excess must also cost a noticeable part of the step
     with np.errstate(invalid="ignore"):
         costly = excess * ref > cfg.min_step_fraction * step_med[:, None]
-    flags, thresholds = consistency_flags(excess, costly, cfg.rule())
+    flags, thresholds = consistency_flags(excess, costly, cfg)
 
     # healthy reference: median over the unflagged ranks of the group, per step
     healthy = np.where(flags, np.nan, busy)
