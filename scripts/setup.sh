@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Set up .venv with stragglerwatch (editable) and its test tools. Safe to run again.
+# Set up .venv with stragglerwatch (editable), all its extras and its test tools. Safe to run again.
 # torch is installed first, pinned to the 2.13.0 CPU build, when the venv has none:
-# an unpinned torch would pull a multi-GB CUDA build.
+# an unpinned torch (the extra "train" asks for torch>=2.1) would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -28,6 +28,6 @@ if [ -n "$missing" ]; then
          "the tests that need them will be skipped" >&2
   fi
 fi
-echo "setup: installing stragglerwatch, its dev tools and the frameworks its integrations are tested with"
-pip_install -e ".[dev,lightning,transformers]"
+echo "setup: installing stragglerwatch with all its extras, its dev tools and the frameworks its integrations are tested with"
+pip_install -e ".[all,dev,lightning,transformers]"
 .venv/bin/python -c 'import torch, stragglerwatch; print(f"setup: ok (stragglerwatch {stragglerwatch.__version__}, torch {torch.__version__})")'

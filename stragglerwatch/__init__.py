@@ -5,7 +5,7 @@ attach, documented field by field), :func:`load_run`, :func:`load_context` (the 
 GPU context samples), :class:`RunDirError`, the errors a
 mistaken call raises (:class:`ConfigError`, :class:`AttachError`), ``__version__``.
 Everything else is internal. Runtime messages go to the ``stragglerwatch`` logger. Importing the
-package does not import torch; ``attach`` does.
+package does not import torch; ``attach`` does (extra ``train``: ``pip install "stragglerwatch[train]"``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,12 @@ from .runinfo import AttachError  # noqa: E402
 
 def __getattr__(name: str) -> object:
     """``attach`` and ``Watch`` need torch: imported on first use, so that analysis, the dashboard
-    and the command line run where torch is not installed."""
+    and the command line run where torch is not installed (there, ImportError with one line naming
+    the extra that installs it)."""
     if name in ("attach", "Watch"):
+        from .extras import require
+
+        require(f"stragglerwatch.{name}", "torch")
         from . import watch
 
         return getattr(watch, name)

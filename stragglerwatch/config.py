@@ -22,9 +22,12 @@ ENV = {
     "run_id": "STRAGGLERWATCH_RUN_ID",
     "prometheus_port": "STRAGGLERWATCH_PROMETHEUS_PORT",
     "prometheus_addr": "STRAGGLERWATCH_PROMETHEUS_ADDR",
+    "prometheus_mode": "STRAGGLERWATCH_PROMETHEUS_MODE",
     "sd_dir": "STRAGGLERWATCH_SD_DIR",
 }
 DISABLE_ENV = "STRAGGLERWATCH_DISABLE"
+#: Values of ``prometheus_mode``: the exporter's series (``exporter.py``'s docstring).
+MODES = ("full", "lean")
 
 
 class ConfigError(ValueError):
@@ -63,6 +66,13 @@ class Config:
 
     prometheus_addr: str | None = None
     """The exporter's bind address (``$STRAGGLERWATCH_PROMETHEUS_ADDR``). Default ``0.0.0.0``."""
+
+    prometheus_mode: str | None = None
+    """Which series the exporter serves (``$STRAGGLERWATCH_PROMETHEUS_MODE``): ``"full"`` (the default:
+    histograms of step, busy and phase times, every context gauge; 237 series a CPU rank, 258 a GPU
+    rank) or ``"lean"`` (the same names as summaries without buckets, only the context the dashboards
+    show; 39 a CPU rank, 48 to 55 a GPU rank), for jobs of a thousand ranks and more. The shipped
+    rules and dashboards work with both."""
 
     sd_dir: str | os.PathLike[str] | None = None
     """Where the exporter writes its file_sd target file (``$STRAGGLERWATCH_SD_DIR``). Default:
@@ -123,6 +133,13 @@ class Config:
                     problems.report("config", f"{ENV['prometheus_port']}={from_env['prometheus_port']!r} is not a "
                                     "port: no exporter")  # fmt: skip
                 del from_env["prometheus_port"]
+        if "prometheus_mode" in from_env:
+            from_env["prometheus_mode"] = from_env["prometheus_mode"].lower()
+            if from_env["prometheus_mode"] not in MODES:
+                if problems is not None:
+                    problems.report("config", f"{ENV['prometheus_mode']}={from_env['prometheus_mode']!r} is not "
+                                    "'full' or 'lean': the exporter serves the full series")  # fmt: skip
+                del from_env["prometheus_mode"]
         if env.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
             from_env["enabled"] = False
         known = {f.name for f in fields(cls)}
@@ -145,3 +162,5 @@ class Config:
             raise ConfigError(f"context_interval_s must be >= 1 (or 0: no sampling), not {self.context_interval_s}")
         if self.prometheus_port is not None and not 0 < int(self.prometheus_port) < 65536:
             raise ConfigError(f"prometheus_port {self.prometheus_port} is not a port")
+        if self.prometheus_mode is not None and self.prometheus_mode not in MODES:
+            raise ConfigError(f"prometheus_mode must be 'full' or 'lean', not {self.prometheus_mode!r}")

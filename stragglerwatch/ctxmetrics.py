@@ -19,6 +19,11 @@ Series (labels ``run``, ``rank`` and ``host`` on all of them; GPU series also ``
 - the sampler itself: ``stragglerwatch_context_samples_total``, ``..._context_sample_seconds``.
 
 A value the rank does not know (no ``/proc/pressure``, no GPU) is not exported.
+
+Lean mode (``lean=True``, the exporter's ``prometheus_mode="lean"``) keeps what the dashboards read
+(:data:`LEAN`, the GPU error counters and ``..._context_samples_total``) and exports
+``..._gpu_clock_event_reason{reason}`` only for the slowdown reasons (``gpuctx.SLOWDOWNS``) while
+they hold (value 1): a series per reason that holds the clocks down, none on a healthy GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .gpuctx import REASONS, decode_reasons
+from .gpuctx import REASONS, SLOWDOWNS, decode_reasons
 
 #: (metric, sample field, scale, help) of the gauges.
 HOST = (
@@ -59,6 +64,12 @@ GPU = (
     ("gpu_utilization_ratio", "gpu_util", 1.0, "Share of time a kernel ran on the rank's GPU"),
     ("gpu_last_xid", "xid", 1.0, "The last XID critical error NVML reported for the rank's GPU (0: none)"),
 )
+#: The gauges lean mode keeps: those the dashboards' context panels read.
+LEAN = frozenset({
+    "host_cpu_pressure_ratio", "host_cpu_steal_ratio", "process_run_delay_ratio",
+    "process_involuntary_switches_per_second", "workers_involuntary_switches_per_second",
+    "gpu_sm_clock_hertz", "gpu_temperature_celsius", "gpu_power_watts", "gpu_power_limit_watts",
+})  # fmt: skip
 COUNTERS = (
     ("gpu_pcie_replays", "pcie_replays", "PCIe replays of the rank's GPU (a degraded link replays)"),
     ("gpu_nvlink_errors", "nvlink_errors", "NVLink errors (replay, recovery, CRC) of the rank's GPU's links"),
@@ -73,10 +84,14 @@ def _known(value: Any) -> bool:
 class ContextCollector(Collector):
     """The context metric families of one rank, from ``sampler.latest`` at scrape time."""
 
-    def __init__(self, sampler: Any, run_id: str, rank: int, host: str):
+    def __init__(self, sampler: Any, run_id: str, rank: int, host: str, lean: bool = False):
         self.sampler = sampler
         self.labels = {"run": run_id, "rank": str(rank), "host": host}
+        self.lean = lean
         self.errors = 0
+
+    def _kept(self, metric: str) -> bool:
+        return not self.lean or metric in LEAN
 
     def collect(self) -> Iterator[Any]:
         try:
@@ -95,12 +110,13 @@ class ContextCollector(Collector):
         yield n
         if row is None:
             return
-        g = GaugeMetricFamily("stragglerwatch_context_sample_seconds", "Cost of the last context sample",
-                              labels=names)  # fmt: skip
-        g.add_metric(values, float(row.get("sample_s", 0.0)))
-        yield g
+        if not self.lean:
+            g = GaugeMetricFamily("stragglerwatch_context_sample_seconds", "Cost of the last context sample",
+                                  labels=names)  # fmt: skip
+            g.add_metric(values, float(row.get("sample_s", 0.0)))
+            yield g
         for metric, field, scale, doc in HOST:
-            if _known(row.get(field)):
+            if self._kept(metric) and _known(row.get(field)):
                 g = GaugeMetricFamily(f"stragglerwatch_{metric}", doc, labels=names)
                 g.add_metric(values, float(row[field]) * scale)
                 yield g
@@ -109,7 +125,7 @@ class ContextCollector(Collector):
         gnames = [*names, "gpu", "UUID", "Hostname"]
         gvalues = [*values, str(row["gpu"]), str(row.get("gpu_uuid", "")), self.labels["host"]]
         for metric, field, scale, doc in GPU:
-            if _known(row.get(field)):
+            if self._kept(metric) and _known(row.get(field)):
                 g = GaugeMetricFamily(f"stragglerwatch_{metric}", doc, labels=gnames)
                 g.add_metric(gvalues, float(row[field]) * scale)
                 yield g
@@ -119,7 +135,10 @@ class ContextCollector(Collector):
             doc = "1 while NVML gives this reason for the GPU's clocks (clock event / throttle reasons)"
             r = GaugeMetricFamily("stragglerwatch_gpu_clock_event_reason", doc, labels=[*gnames, "reason"])
             for reason in REASONS.values():
-                r.add_metric([*gvalues, reason], 1.0 if reason in active else 0.0)
+                if not self.lean:
+                    r.add_metric([*gvalues, reason], 1.0 if reason in active else 0.0)
+                elif reason in active and reason in SLOWDOWNS:
+                    r.add_metric([*gvalues, reason], 1.0)
             yield r
         ecc = CounterMetricFamily("stragglerwatch_gpu_ecc_errors", "Volatile ECC errors of the rank's GPU",
                                   labels=[*gnames, "type"])  # fmt: skip

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from werkzeug.serving import make_server
+from .extras import message, missing
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 
@@ -25,6 +25,8 @@ class DashboardServer:
     """The Dash app of ``source`` served on ``host:port`` from a background thread."""
 
     def __init__(self, source: Any, host: str = "127.0.0.1", port: int = 8050, refresh_ms: int = 3000):
+        from werkzeug.serving import make_server  # dash's; imported here so the command line loads without it
+
         from .dashboard import create_app
 
         self.source = source.start()
@@ -82,7 +84,17 @@ def start_prometheus(run_dir: Path, port: int) -> tuple[subprocess.Popen | None,
     return proc, f"Prometheus: http://127.0.0.1:{port}/alerts"
 
 
+def lacking(what: str, *modules: str) -> bool:
+    """Print one error line and return True when an optional dependency ``what`` needs is missing."""
+    absent = missing(*modules)
+    if absent:
+        print(f"stragglerwatch: error: {message(what, absent)}", file=sys.stderr)
+    return bool(absent)
+
+
 def run_demo(args: Any) -> int:
+    if lacking("stragglerwatch demo", "torch", "dash", "plotly"):
+        return 2
     from .analysis import analyze_run
     from .dashboard import RunDirSource
     from .render import render_text
@@ -128,6 +140,8 @@ def run_demo(args: Any) -> int:
 
 
 def run_dashboard(args: Any) -> int:
+    if lacking("stragglerwatch dashboard", "dash", "plotly"):
+        return 2
     from .dashboard import PrometheusSource, RunDirSource
 
     if args.prometheus:

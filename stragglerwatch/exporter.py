@@ -16,6 +16,14 @@ Series (labels ``run`` and ``rank`` on all of them):
 ``stragglerwatch_stalled``, ``stragglerwatch_exporter_errors_total``, the info metric
 ``stragglerwatch_rank_info{local_rank, host, pid}``, and ``stragglerwatch_busy_unavailable{reason}``
 (1 for each reason the rank's busy time cannot be measured; absent when it can).
+
+Modes (``attach(..., prometheus_mode=...)``, ``$STRAGGLERWATCH_PROMETHEUS_MODE``): ``full`` (the
+default) exports the three timings as histograms (18 buckets, +Inf, sum, count: 21 series each,
+168 for the phases); ``lean`` exports them as summaries without quantiles (``_sum`` and ``_count``
+only, under the same names and labels) and the context collector keeps only the gauges the
+dashboards read. Every shipped rule, panel and ``promsource`` query reads ``_sum``/``_count``,
+never ``_bucket``, so they answer the same in both modes; a lean GPU rank exports 48 to 55 series
+instead of 258, which is what a per-tenant series limit counts at 1,000 ranks.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from prometheus_client.core import (
     GaugeMetricFamily,
     HistogramMetricFamily,
     InfoMetricFamily,
+    SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
 
@@ -104,35 +113,44 @@ class RankCollector(Collector):
     """Builds this rank's metric families at scrape time."""
 
     def __init__(
-        self, metrics: RankMetrics, info: RunInfo, watchdog: Any = None, errors: Any = None, unavailable: Any = None
+        self,
+        metrics: RankMetrics,
+        info: RunInfo,
+        watchdog: Any = None,
+        errors: Any = None,
+        unavailable: Any = None,
+        lean: bool = False,
     ):
         self.metrics = metrics
         self.info = info
         self.watchdog = watchdog
         self.errors = errors  # callable returning our error count
         self.unavailable = unavailable  # callable returning why busy time cannot be measured
+        self.lean = lean  # summaries (sum, count) instead of histograms
         self.labels = {"run": info.run_id, "rank": str(info.rank)}
+
+    def _timing(self, name: str, doc: str, labels: list[str], rows: list[tuple[list[str], Any]]) -> Any:
+        """One family of step timings: a histogram, or in lean mode a summary (the same ``_sum`` and
+        ``_count`` series, no buckets)."""
+        if self.lean:
+            s = SummaryMetricFamily(name, doc, labels=labels)
+            for values, (buckets, total) in rows:
+                s.add_metric(values, count_value=buckets[-1][1], sum_value=total)
+            return s
+        h = HistogramMetricFamily(name, doc, labels=labels)
+        for values, (buckets, total) in rows:
+            h.add_metric(values, buckets=buckets, sum_value=total)
+        return h
 
     def collect(self) -> Iterator[Any]:
         snap = self.metrics.snapshot()
         names, values = list(self.labels), list(self.labels.values())
-        for name, key, doc in (
-            ("stragglerwatch_step_seconds", "step", "Optimizer step time (end of one step to the end of the next)"),
-            (
-                "stragglerwatch_busy_seconds",
-                "busy",
-                "Step time minus exposed communication and evaluation: the straggler signal",
-            ),
-        ):
-            h = HistogramMetricFamily(name, doc, labels=names)
-            h.add_metric(values, buckets=snap[key][0], sum_value=snap[key][1])
-            yield h
-        ph = HistogramMetricFamily(
-            "stragglerwatch_phase_seconds", "Time per step in each phase", labels=[*names, "phase"]
-        )
-        for phase, (buckets, total) in snap["phases"].items():
-            ph.add_metric([*values, phase], buckets=buckets, sum_value=total)
-        yield ph
+        yield self._timing("stragglerwatch_step_seconds", "Optimizer step time (end of one step to the end of the "
+                           "next)", names, [(values, snap["step"])])  # fmt: skip
+        yield self._timing("stragglerwatch_busy_seconds", "Step time minus exposed communication and evaluation: "
+                           "the straggler signal", names, [(values, snap["busy"])])  # fmt: skip
+        phases = [([*values, phase], hist) for phase, hist in snap["phases"].items()]
+        yield self._timing("stragglerwatch_phase_seconds", "Time per step in each phase", [*names, "phase"], phases)
         c = CounterMetricFamily("stragglerwatch_steps", "Optimizer steps recorded", labels=names)
         c.add_metric(values, snap["steps_total"])
         yield c

@@ -6,10 +6,15 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from . import figures
-from .analysis import Analysis
-from .ctxfigure import context_figure
-from .render import context_text, hang_line, verdict_lines
+from .extras import require
+
+# plotly is the extra ``dashboard``'s: without it, one clear line instead of a traceback
+require("the HTML report (analyze --format html)", "plotly")
+
+from . import figures  # noqa: E402
+from .analysis import Analysis  # noqa: E402
+from .ctxfigure import context_figure  # noqa: E402
+from .render import context_text, hang_line, verdict_lines  # noqa: E402
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }

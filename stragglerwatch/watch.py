@@ -265,8 +265,9 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
     timing = "cuda" if on_gpu else "host"
     settings = {"flush_interval_s": cfg.flush_interval_s, "fsync_interval_s": cfg.fsync_interval_s,
                 "watchdog_timeout_s": cfg.watchdog_timeout_s, "prometheus_port": cfg.prometheus_port,
-                "ddp": is_ddp, "fsdp2": parts.fsdp2, "compiled": parts.compiled,
-                "bucket_timings": bucket_timings, "context_interval_s": cfg.context_interval_s}  # fmt: skip
+                "prometheus_mode": cfg.prometheus_mode or "full", "ddp": is_ddp, "fsdp2": parts.fsdp2,
+                "compiled": parts.compiled, "bucket_timings": bucket_timings,
+                "context_interval_s": cfg.context_interval_s}  # fmt: skip
     role = cfg.role if cfg.role is not None else mesh_role(parts.mesh)
     rank_meta: dict[str, Any] = {"device": str(_model_device(model)), "timing": timing, "role": role}
     unseen = unseen_communication(parts.target or model)
@@ -314,13 +315,15 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
     if cfg.prometheus_port is not None:
         metrics = RankMetrics()
         writer.observers.append(metrics.observe)
+        lean = cfg.prometheus_mode == "lean"
         collector = RankCollector(metrics, info, watch._watchdog, errors=lambda: writer.write_errors,
-                                  unavailable=notes.reasons)  # fmt: skip
+                                  unavailable=notes.reasons, lean=lean)  # fmt: skip
         watch._exporter = Exporter(collector, int(cfg.prometheus_port) + info.local_rank,
                                    cfg.prometheus_addr or "0.0.0.0", Path(cfg.sd_dir) if cfg.sd_dir else None,
                                    problems)  # fmt: skip
         if watch._context is not None:
-            watch._exporter.registry.register(ContextCollector(watch._context, info.run_id, info.rank, info.host))
+            watch._exporter.registry.register(ContextCollector(watch._context, info.run_id, info.rank, info.host,
+                                                               lean=lean))  # fmt: skip
     handles = watch._handles
     handles += time_forward(parts, probe)
     handles.append(time_buffer_sync(parts, probe))

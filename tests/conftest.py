@@ -203,7 +203,10 @@ def prom_api(base: str, query: str) -> list[dict]:
 @pytest.fixture(scope="session")
 def live_prometheus(tmp_path_factory: pytest.TempPathFactory):
     """A real Prometheus (generated config, second-scale rules) scraping a real 4-rank gloo job with
-    ``prometheus_port``: rank 2 is 20 ms a step slower, and stalls 6 s at step 300 (watchdog 2 s)."""
+    ``prometheus_port``: rank 2 is 20 ms a step slower, and stalls 6 s at step 300 (watchdog 2 s).
+    The same server scrapes a second run, ``lean_run_id``: four exporters in the lean mode whose steps
+    are made up to tell the same story (``synthetic_ranks.py``), so that every rule and panel is
+    checked against both export modes; both runs publish their targets in one SD dir, as on a cluster."""
     import os
     import shutil
     import subprocess
@@ -218,26 +221,31 @@ def live_prometheus(tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(
             "PROMETHEUS TESTS SKIPPED: install Debian's 'prometheus' package (scripts/setup.sh does so as root)"
         )
+    from synthetic_ranks import SyntheticJob
+
     tmp = tmp_path_factory.mktemp("prometheus")
-    run, port_base, prom_port = tmp / "run", free_ports(4), free_ports(1)
+    run, sd, ports = tmp / "run", tmp / "sd", free_ports(9)
+    port_base, prom_port = ports, ports + 8
     rules = tmp / "fast.rules.yml"
     rules.write_text(render_rules(window="20s", for_="10s"))
+    lean = SyntheticJob("lean-run", 4, ports + 4, sd, lean=True)
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(EXAMPLE),
          "--steps", "100000", "--slow-rank", "2", "--slowdown", "0.02", "--stall-rank", "2", "--stall-at-step",
          "300", "--stall-seconds", "6", "--watchdog-timeout", "2", "--run-dir", str(run)],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "OMP_NUM_THREADS": "1", "STRAGGLERWATCH_PROMETHEUS_PORT": str(port_base),
-             "STRAGGLERWATCH_PROMETHEUS_ADDR": "127.0.0.1"},
+             "STRAGGLERWATCH_PROMETHEUS_ADDR": "127.0.0.1", "STRAGGLERWATCH_SD_DIR": str(sd)},
     )  # fmt: skip
     prom = None
     try:
-        wait_for(lambda: len(list(run.glob("stragglerwatch-*.json"))) == 4, 90, "4 target files")
+        wait_for(lambda: len(list(sd.glob("stragglerwatch-*.json"))) == 8, 90, "8 target files")
         run_id = read_json(run / "run.json")["run_id"]
         config = tmp / "prometheus.yml"
         with open(config, "w") as f, pytest.MonkeyPatch.context() as mp:
             mp.setattr(sys, "stdout", f)
-            assert cli(["prometheus-config", str(run), "--scrape-interval", "1s", "--rules", str(rules)]) == 0
+            assert cli(["prometheus-config", str(run), "--sd-dir", str(sd), "--all-runs", "--scrape-interval", "1s",
+                        "--rules", str(rules)]) == 0  # fmt: skip
         check = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
         prom = subprocess.Popen(
@@ -245,8 +253,10 @@ def live_prometheus(tmp_path_factory: pytest.TempPathFactory):
              f"--web.listen-address=127.0.0.1:{prom_port}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        yield SimpleNamespace(base=f"http://127.0.0.1:{prom_port}", run=run, run_id=run_id, job=job)
+        yield SimpleNamespace(base=f"http://127.0.0.1:{prom_port}", run=run, run_id=run_id, job=job,
+                              lean_run_id=lean.run_id)  # fmt: skip
     finally:
+        lean.close()
         job.terminate()
         if prom is not None:
             prom.terminate()

@@ -73,20 +73,28 @@ def query_range(base: str, expr: str, minutes: float = 3.0) -> list[dict]:
 
 @pytest.mark.distributed
 def test_every_query_answers_with_the_legend_labels(live_prometheus) -> None:
+    """In both export modes: the real job (full) and the lean-mode run next to it."""
     base = live_prometheus.base
+    runs = {live_prometheus.run_id: "full", live_prometheus.lean_run_id: "lean"}
 
     def ready() -> bool:
         try:
-            stalled = prom_api(base, "stragglerwatch_watchdog_timeouts_total > 0")
-            firing = prom_api(base, 'ALERTS{alertname="StragglerRank",alertstate="firing"}')
-            return bool(stalled and firing)
+            stalled = prom_api(base, "group by (run) (stragglerwatch_watchdog_timeouts_total > 0)")
+            firing = prom_api(base, 'group by (run) (ALERTS{alertname="StragglerRank",alertstate="firing"})')
+            return all({s["metric"]["run"] for s in found} == set(runs) for found in (stalled, firing))
         except OSError:
             return False
 
-    wait_for(ready, 180, "the stall and the StragglerRank alert")
+    wait_for(ready, 180, "the stall and the StragglerRank alert in both runs")
     # template variables, as Grafana's label_values() would resolve them
-    run_id = live_prometheus.run_id
-    assert [s["metric"]["run"] for s in prom_api(base, "group by (run) (stragglerwatch_steps_total)")] == [run_id]
+    assert sorted(s["metric"]["run"] for s in prom_api(base, "group by (run) (stragglerwatch_steps_total)")) == sorted(
+        runs
+    )
+    for run_id, mode in runs.items():
+        check_run_dashboard(base, run_id, mode)
+
+
+def check_run_dashboard(base: str, run_id: str, mode: str) -> None:
     ranks = prom_api(base, f'group by (rank) (stragglerwatch_steps_total{{run="{run_id}"}})')
     assert sorted(s["metric"]["rank"] for s in ranks) == ["0", "1", "2", "3"]
     for name, model in dashboards().items():
@@ -95,20 +103,21 @@ def test_every_query_answers_with_the_legend_labels(live_prometheus) -> None:
                 continue
             expr = substitute(target["expr"], run_id)
             result = prom_api(base, expr) if target.get("instant") else query_range(base, expr)
-            assert result, f"{name}: {where} returned no data: {expr}"
+            result = [s for s in result if s["metric"].get("run", run_id) == run_id]  # the overview's: all runs
+            assert result, f"{mode}: {name}: {where} returned no data: {expr}"
             for label in re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")):
-                assert all(label in s["metric"] for s in result), f"{name}: {where} lacks label {label!r}"
+                assert all(label in s["metric"] for s in result), f"{mode}: {name}: {where} lacks label {label!r}"
     run = dashboards()["stragglerwatch.json"]
     (top,) = [p for p in run["panels"] if p["title"] == "Slowest ranks vs the peer median"]
     ranking = sorted(prom_api(base, substitute(top["targets"][0]["expr"], run_id)), key=lambda s: -float(s["value"][1]))
-    assert ranking[0]["metric"]["rank"] == "2", "the straggler tops the table"
+    assert ranking[0]["metric"]["rank"] == "2", f"{mode}: the straggler tops the table"
 
     def cause_of_2() -> str:
         rows = prom_api(base, substitute(top["targets"][1]["expr"], run_id))
         return next((r["metric"]["phase"] for r in rows if r["metric"]["rank"] == "2"), "")
 
     # right after the stall, its 6 s in `other` dominate rank 2's 20 s window; then compute shows again
-    wait_for(lambda: cause_of_2() in ("forward", "backward"), 90, "rank 2's cause to be compute")
+    wait_for(lambda: cause_of_2() in ("forward", "backward"), 90, f"{mode}: rank 2's cause to be compute")
     (stalls,) = [p for p in run["panels"] if p["title"] == "Watchdog: stalls"]
     timeouts = query_range(base, substitute(stalls["targets"][0]["expr"], run_id))
     stalled = {
@@ -117,5 +126,7 @@ def test_every_query_answers_with_the_legend_labels(live_prometheus) -> None:
     # every rank's watchdog fired; only the culprit was stuck outside a collective (the victims wait in
     # the gradient all-reduce or, the example's model having buffers, in forward's buffer broadcast)
     waiting = ("allreduce_wait", "collective_wait")
-    assert {r for r, phase in stalled if phase not in waiting} == {"2"}
-    assert {r for r, phase in stalled if phase in waiting} == {"0", "1", "3"}
+    assert {r for r, phase in stalled if phase not in waiting} == {"2"}, mode
+    assert {r for r, phase in stalled if phase in waiting} == {"0", "1", "3"}, mode
+    alerts = query_range(base, f'ALERTS{{alertname="WatchdogTimeout", run="{run_id}"}}')
+    assert {s["metric"]["rank"] for s in alerts} == {"0", "1", "2", "3"}, f"{mode}: WatchdogTimeout for every rank"

@@ -17,7 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 import stragglerwatch
+from stragglerwatch.config import Config, ConfigError
 from stragglerwatch.detect import DetectConfig, detect
+from stragglerwatch.log import Problems
 from stragglerwatch.promrules import installed_rules, render_rules
 from stragglerwatch.promsource import frame_from_prometheus
 
@@ -92,35 +94,78 @@ def test_exporter_series_labels_sd_file_and_port_in_use(caplog: pytest.LogCaptur
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
 
 
+def test_lean_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                        tmp_path: Path) -> None:  # fmt: skip
+    """``STRAGGLERWATCH_PROMETHEUS_MODE=lean``: the same names and labels, summaries without buckets."""
+    port = free_ports(1)
+    monkeypatch.setenv("STRAGGLERWATCH_PROMETHEUS_MODE", "lean")
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "run"
+    watch = stragglerwatch.attach(model, run, optimizer=opt, prometheus_port=port, prometheus_addr="127.0.0.1")
+    try:
+        for _ in range(12):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+        watch.flush()
+        families = scrape(port)
+    finally:
+        watch.close()
+    assert json.loads((run / "run.json").read_text())["config"]["prometheus_mode"] == "lean"
+    for name in ("step_seconds", "busy_seconds", "phase_seconds"):
+        family = families[f"stragglerwatch_{name}"]
+        assert family.type == "summary", name
+        assert {s.name for s in family.samples} == {f"stragglerwatch_{name}_sum", f"stragglerwatch_{name}_count"}
+    phases = families["stragglerwatch_phase_seconds"].samples
+    assert len(phases) == 16 and all(s.value == 12 for s in phases if s.name.endswith("_count"))
+    assert families["stragglerwatch_steps"].samples[0].value == 12
+    assert len(families["stragglerwatch_watchdog_timeouts"].samples) == 8
+    with caplog.at_level("WARNING", logger="stragglerwatch"):  # a typo in a launcher's environment: the full series
+        monkeypatch.setenv("STRAGGLERWATCH_PROMETHEUS_MODE", "slim")
+        assert Config.resolve(problems=Problems()).prometheus_mode is None
+    assert any("STRAGGLERWATCH_PROMETHEUS_MODE='slim'" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match="prometheus_mode"):
+        Config.resolve(prometheus_mode="slim")
+
+
 @needs_prometheus
 @pytest.mark.distributed
 def test_real_prometheus_scrapes_a_straggler_job(live_prometheus) -> None:
+    """The rules on the real job (full export mode) and on the lean-mode run next to it."""
     base = live_prometheus.base
+    runs = {live_prometheus.run_id: "full", live_prometheus.lean_run_id: "lean"}
 
-    def firing() -> list[dict]:
+    def firing() -> dict[str, list[str]]:
         try:
-            return prom_api(base, 'ALERTS{alertname="StragglerRank",alertstate="firing"}')
+            alerts = prom_api(base, 'ALERTS{alertname="StragglerRank",alertstate="firing"}')
         except OSError:
-            return []
+            return {}
+        return {run: sorted(a["metric"]["rank"] for a in alerts if a["metric"]["run"] == run) for run in runs}
 
-    wait_for(lambda: firing(), 150, "StragglerRank to fire")
-    up = prom_api(base, 'up{job="stragglerwatch"}')
-    assert sorted(int(s["metric"]["rank"]) for s in up) == [0, 1, 2, 3]
-    assert all(s["value"][1] == "1" for s in up)
-    steps = prom_api(base, "stragglerwatch_steps_total")
-    assert sorted(int(s["metric"]["rank"]) for s in steps) == [0, 1, 2, 3]
-    run_id = live_prometheus.run_id
-    assert all(s["metric"]["run"] == run_id for s in steps)
-    info = prom_api(base, "stragglerwatch_rank_info")
-    assert sorted(s["metric"]["local_rank"] for s in info) == ["0", "1", "2", "3"]
-    ranked = prom_api(base, "sort_desc(stragglerwatch:busy_ratio:20s)")
-    assert ranked[0]["metric"]["rank"] == "2" and float(ranked[0]["value"][1]) > 1.5
+    wait_for(lambda: all(firing().get(run) for run in runs), 150, "StragglerRank to fire in both runs")
     alerts = firing()
-    assert [a["metric"]["rank"] for a in alerts] == ["2"], "StragglerRank fires for the straggler and only it"
-    # the same detection core, fed from Prometheus instead of the run dir
-    wait_for(lambda: len(frame_from_prometheus(base, run_id, minutes=2, window="5s", step_seconds=1)) >= 4 * 24,
-             60, "24 s of data")  # fmt: skip
-    frame = frame_from_prometheus(base, run_id, minutes=2, window="5s", step_seconds=1)
-    assert set(frame["rank"]) == {0, 1, 2, 3}
-    verdict = detect(frame, DetectConfig(window=8, confirm=3))
-    assert [s.rank for s in verdict.stragglers] == [2]
+    for run_id, mode in runs.items():
+        sel = f'run="{run_id}"'
+        up = prom_api(base, f'up{{job="stragglerwatch", {sel}}}')
+        assert sorted(int(s["metric"]["rank"]) for s in up) == [0, 1, 2, 3], mode
+        assert all(s["value"][1] == "1" for s in up)
+        steps = prom_api(base, f"stragglerwatch_steps_total{{{sel}}}")
+        assert sorted(int(s["metric"]["rank"]) for s in steps) == [0, 1, 2, 3], mode
+        info = prom_api(base, f"stragglerwatch_rank_info{{{sel}}}")
+        assert sorted(s["metric"]["local_rank"] for s in info) == ["0", "1", "2", "3"], mode
+        buckets = prom_api(base, f"count(stragglerwatch_phase_seconds_bucket{{{sel}}})")
+        assert (int(buckets[0]["value"][1]) if buckets else 0) == (4 * 8 * 19 if mode == "full" else 0)
+        assert len(prom_api(base, f"time() - stragglerwatch_last_step_timestamp_seconds{{{sel}}} < 60")) == 4
+        for record in ("busy_seconds:mean20s", "step_seconds:mean20s", "phase_seconds:mean20s",
+                       "busy_seconds:peer_median20s", "busy_ratio:20s", "phase_excess_seconds:20s"):  # fmt: skip
+            assert prom_api(base, f"stragglerwatch:{record}{{{sel}}}"), f"{mode}: no {record}"
+        ranked = prom_api(base, f"sort_desc(stragglerwatch:busy_ratio:20s{{{sel}}})")
+        assert ranked[0]["metric"]["rank"] == "2" and float(ranked[0]["value"][1]) > 1.5, mode
+        assert alerts[run_id] == ["2"], f"{mode}: StragglerRank fires for the straggler and only it"
+        # the same detection core, fed from Prometheus instead of the run dir
+        wait_for(lambda r=run_id: len(frame_from_prometheus(base, r, minutes=2, window="5s", step_seconds=1)) >= 4 * 24,
+                 60, "24 s of data")  # fmt: skip
+        frame = frame_from_prometheus(base, run_id, minutes=2, window="5s", step_seconds=1)
+        assert set(frame["rank"]) == {0, 1, 2, 3}
+        verdict = detect(frame, DetectConfig(window=8, confirm=3))
+        assert [s.rank for s in verdict.stragglers] == [2], mode
