@@ -27,7 +27,7 @@ from pathlib import Path
 import plotly.io as pio
 from plotly.utils import PlotlyJSONEncoder
 
-from stragglerwatch.analysis import Analysis, build_report
+from stragglerwatch.analysis import Analysis, RankFigures, build_report
 from stragglerwatch.dashboard import Snapshot
 from stragglerwatch.dashboard.app import render
 from stragglerwatch.dashboard.sources import RunDirSource
@@ -108,7 +108,8 @@ def main() -> None:
     t0 = time.perf_counter()
     mat = to_matrix(to_frame(cfg))
     verdict = detect(mat)
-    report = build_report(mat, verdict, {"run_id": "bench", "world_size": args.ranks}, {})
+    run_meta = {"run_id": "bench", "world_size": args.ranks}
+    report = build_report(RankFigures.of(mat, verdict), verdict, run_meta, {}).to_dict()
     events = [{"kind": "stall", "rank": 5, "step": 800, "phase": "other", "detected_at": 1.8e9, "waited_s": 12.0}]
     snap = Snapshot(Analysis(report, mat, verdict), events, version=1)
     print(f"render only: {args.ranks} ranks x {args.steps} steps: analysis in memory {time.perf_counter() - t0:.1f} s")

@@ -1,11 +1,17 @@
 """Analysis throughput on a large simulated run (not a pytest test).
 
 Writes (once) a simulated run of 1024 ranks x 10,000 steps (10.24 M step records,
-one Parquet file per rank, two stragglers), then times in separate processes:
+one Parquet file per rank, three stragglers), then times in separate processes:
 ``stragglerwatch analyze RUN --format json`` and a plain pyarrow read of the same
-files, reporting wall time, peak memory (max RSS) and their ratio.
+files (after one read that warms the page cache, in turns, ``--repeat`` times), reporting the
+medians of wall time and peak memory (max RSS) and their ratio.
+
+``--engine ray`` times ``analyze --engine ray`` instead, on a local Ray started by the child
+process with every CPU here, and reports the peak memory of each Ray worker process (polled),
+the driver's, and whether the stragglers equal the local engine's (``--compare``).
 
     python benchmarks/throughput.py [--ranks 1024 --steps 10000] [--run-dir DIR]
+    python benchmarks/throughput.py --ranks 10000 --steps 10000 --run-dir DIR --engine ray --compare
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,11 +47,65 @@ def measure(cmd: list[str]) -> tuple[float, float, str]:
     return wall, usage.ru_maxrss / 2**20, text
 
 
+RAY_RUN = """
+import json, sys, time
+from stragglerwatch.rayengine import analyze_on_ray
+t0 = time.perf_counter()
+say = lambda stage: print(f"  {time.perf_counter() - t0:6.1f} s  {stage}", file=sys.stderr)
+print(json.dumps(analyze_on_ray(sys.argv[1], progress=say).report))
+"""
+
+
+def ray_workers() -> dict[int, tuple[float, float]]:
+    """RSS and USS (GiB; USS leaves out the object store's shared pages) of the Ray worker processes."""
+    import psutil
+
+    out = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if "ray::" in cmd or "default_worker.py" in cmd:
+            try:
+                mem = proc.memory_full_info()
+            except (psutil.Error, OSError):
+                continue
+            out[proc.pid] = (mem.rss / 2**30, mem.uss / 2**30)
+    return out
+
+
+def measure_ray(run: Path) -> tuple[float, float, tuple[float, float], int, str]:
+    """Wall seconds, driver peak RSS, the largest worker's peak (RSS, USS), workers seen, stdout."""
+    peaks: dict[int, tuple[float, float]] = {}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen([sys.executable, "-c", RAY_RUN, str(run)], stdout=out)
+        status = None
+        while status is None:
+            for pid, (rss, uss) in ray_workers().items():
+                old = peaks.get(pid, (0.0, 0.0))
+                peaks[pid] = (max(old[0], rss), max(old[1], uss))
+            try:
+                _, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                status = status if _ else None
+            except ChildProcessError:
+                break
+            time.sleep(0.25)
+        wall = time.perf_counter() - t0
+        out.seek(0)
+        text = out.read().decode()
+    if status is None or os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit("the Ray analysis failed")
+    largest = (max((p[0] for p in peaks.values()), default=0.0), max((p[1] for p in peaks.values()), default=0.0))
+    return wall, usage.ru_maxrss / 2**20, largest, len(peaks), text
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10_000)
     p.add_argument("--run-dir", help="simulated run to use/create (default: a temporary directory)")
+    p.add_argument("--engine", choices=("local", "ray"), default="local")
+    p.add_argument("--compare", action="store_true", help="with --engine ray: also run the local engine")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved runs of analyze and the plain read")
     args = p.parse_args()
     tmp = None
     if args.run_dir:
@@ -56,19 +117,41 @@ def main() -> None:
         t0 = time.perf_counter()
         subprocess.run(
             [sys.executable, "-m", "stragglerwatch.cli", "simulate", str(run), "--ranks", str(args.ranks),
-             "--steps", str(args.steps), "--straggler", "17:0.15:2000:data", "--straggler", "900:0.1:6000"],
+             "--steps", str(args.steps), "--straggler", "17:0.15:2000:data", "--straggler",
+             f"{args.ranks - 1000}:0.1:6000", "--straggler", f"{args.ranks // 2 - 191}:0.12:3000:compute:8000"],
             check=True,
         )  # fmt: skip
         print(f"simulated {args.ranks} x {args.steps} in {time.perf_counter() - t0:.1f} s")
     records = args.ranks * args.steps
-    wall, rss, out = measure([sys.executable, "-m", "stragglerwatch.cli", "analyze", str(run), "--format", "json"])
+    if args.engine == "ray":
+        wall, rss, worker, n, out = measure_ray(run)
+        found = [(s["rank"], s["cause"], s["first_step"], s["last_step"]) for s in json.loads(out)["stragglers"]]
+        print(f"analyze --engine ray: {wall:.1f} s, {records / wall / 1e6:.2f} M records/s; peak RSS of the driver "
+              f"{rss:.2f} GiB; the largest of {n} Ray worker processes: peak RSS {worker[0]:.2f} GiB (with the "
+              f"object store's pages it reads), peak USS {worker[1]:.2f} GiB (its own memory)")  # fmt: skip
+        print(f"  stragglers found: {found}")
+        if not args.compare:
+            return
+    # a first plain read warms the page cache; then analyze and the plain read take turns
+    measure([sys.executable, "-c", PLAIN_READ, str(run)])
+    runs, reads = [], []
+    for _ in range(args.repeat):
+        runs.append(measure([sys.executable, "-m", "stragglerwatch.cli", "analyze", str(run), "--format", "json"]))
+        reads.append(measure([sys.executable, "-c", PLAIN_READ, str(run)]))
+    wall, rss = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    out = runs[-1][2]
     report = json.loads(out)
-    found = [(s["rank"], s["cause"], s["first_step"]) for s in report["stragglers"]]
+    local = [(s["rank"], s["cause"], s["first_step"], s["last_step"]) for s in report["stragglers"]]
     print(f"analyze --format json: {wall:.1f} s, peak RSS {rss:.2f} GiB, {records / wall / 1e6:.2f} M records/s")
-    print(f"  stragglers found: {found}")
-    pwall, prss, _ = measure([sys.executable, "-c", PLAIN_READ, str(run)])
+    print(f"  stragglers found: {local}")
+    if args.engine == "ray":
+        print(f"  the same as the Ray engine's: {local == found}")
+        return
+    pwall, prss = statistics.median(r[0] for r in reads), statistics.median(r[1] for r in reads)
+    ratio = statistics.median(a[0] / b[0] for a, b in zip(runs, reads, strict=True))
     print(f"plain pyarrow read of the same files: {pwall:.1f} s, peak RSS {prss:.2f} GiB")
-    print(f"ratio analyze / plain read: {wall / pwall:.1f}x time, {rss / prss:.1f}x memory")
+    print(f"medians of {args.repeat} interleaved runs each; ratio analyze / plain read: {wall / pwall:.1f}x time "
+          f"(median of the pairs' ratios {ratio:.1f}x), {rss / prss:.1f}x memory")  # fmt: skip
     if tmp:
         tmp.cleanup()
 

@@ -73,13 +73,26 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         except TraceError as exc:
             print(f"stragglerwatch: error: {exc}", file=sys.stderr)
             return 2
+    elif args.run_dir is not None and args.engine == "ray":
+        from .rayengine import RayEngineError, analyze_on_ray, stderr_progress
+
+        if args.format == "html":
+            print("stragglerwatch: error: --engine ray gives --format text or json (the HTML report's figures "
+                  "need every step of every rank in one process)", file=sys.stderr)  # fmt: skip
+            return 2
+        try:
+            analysis = analyze_on_ray(args.run_dir, config, address=args.address, progress=stderr_progress)
+        except RayEngineError as exc:
+            print(f"stragglerwatch: error: {exc}", file=sys.stderr)
+            return 2
     elif args.run_dir is not None:
         analysis = analyze_run(args.run_dir, config, progress=Progress("reading logs"))
-        if analysis.report["steps"] == 0 and not args.logs and not analysis.report["hangs"]:
-            print(f"stragglerwatch: error: {args.run_dir}: empty run (no step recorded yet)", file=sys.stderr)
-            return 2
     else:
         analysis = empty_analysis()
+    run_dir = args.run_dir is not None and not Path(args.run_dir).is_file()
+    if run_dir and analysis.report["steps"] == 0 and not args.logs and not analysis.report["hangs"]:
+        print(f"stragglerwatch: error: {args.run_dir}: empty run (no step recorded yet)", file=sys.stderr)
+        return 2
     if args.logs:
         try:
             add_pytorch_logs(analysis.report, parse_files(args.logs))
@@ -260,6 +273,13 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decision", type=float, default=14.0,
                    help="evidence the change test needs, in nats of log-likelihood ratio between a 6%% and a "
                    "2%% change (default 14); lower finds changes sooner, higher flags less")  # fmt: skip
+    p.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="where the analysis runs: local (this process, the default) or ray (tasks on a Ray "
+                   "cluster, for runs too large for one machine; same report; needs stragglerwatch[ray], the "
+                   "run dir on storage every node reads, and --format text or json)")  # fmt: skip
+    p.add_argument("--address", default=None,
+                   help="with --engine ray: the cluster to use, as ray.init takes it ('auto', 'ray://HOST:10001', "
+                   "HOST:6379); default: a local Ray started for this command, or RAY_ADDRESS")  # fmt: skip
     p.set_defaults(func=cmd_analyze)
 
 

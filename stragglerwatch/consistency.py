@@ -21,56 +21,155 @@ Two tests run side by side; a rank is flagged while either holds for ``confirm``
    Ranks within ``tolerance`` of their peers for ever are healthy hardware variation.
 
 A flag clears after ``confirm`` steps back near the rank's baseline (or near its peers); a step
-a rank did not record is no evidence either way. ``noise`` is the per-step jitter of ``e``, from
-the median absolute step-to-step difference (robust to spikes, blind to offsets and drift).
+a rank did not record is no evidence either way. ``noise`` is the per-step jitter of ``e``: per
+rank, the median absolute step-to-step difference (robust to spikes, blind to offsets and
+drift), and the median of that over the ranks.
+
+**Rounds.** The ranks are processed in fixed blocks (:func:`rank_blocks`, a function of the
+run's shape only) in three rounds with job-wide reductions between them: ``round1`` (rolling
+medians, per-rank noise, medians and counts) -> ``combine1`` (noise, offset spread) ->
+``round2`` (the clipped excess's moments, the block means' second differences) -> ``combine2``
+(skew, variance, alarm levels) -> ``round3`` (the flags). Every reduction combines per-block
+results in block order, so an engine that runs the blocks anywhere (``rayengine.py``) gets the
+same flags, bit for bit, as :func:`flags` here.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import bottleneck as bn
 import numpy as np
-import pandas as pd
 
 if TYPE_CHECKING:  # detect.py imports this module
     from .detect import DetectConfig
 
-
-def step_noise(e: np.ndarray) -> float:
-    """Robust per-step jitter of ``e`` (steps x ranks): 1.4826 MAD of step-to-step differences / sqrt 2."""
-    d = np.abs(np.diff(e, axis=0))
-    d = d[np.isfinite(d)]
-    return float(1.4826 * np.median(d) / np.sqrt(2.0)) if d.size else 0.0
+#: Steps x ranks records of one rank block: it bounds a block's memory (about 10 arrays of it).
+BLOCK_RECORDS = 1 << 24
 
 
-def _offset_spread(e: np.ndarray, noise: float) -> float:
+def rank_blocks(n_ranks: int, n_steps: int) -> list[slice]:
+    """The rank blocks of a run of this shape: column slices of at most ``BLOCK_RECORDS`` records."""
+    size = max(1, min(max(n_ranks, 1), BLOCK_RECORDS // max(n_steps, 1)))
+    return [slice(lo, min(lo + size, n_ranks)) for lo in range(0, n_ranks, size)]
+
+
+def rank_nanmedian(x: np.ndarray) -> np.ndarray:
+    """Per column (rank) median of the finite values; NaN for a column with none."""
+    return bn.nanmedian(x, axis=0) if x.size else np.full(x.shape[1], np.nan)
+
+
+@dataclass
+class BlockState:
+    """A rank block's arrays (steps x its ranks), kept between the rounds."""
+
+    e: np.ndarray
+    costly: np.ndarray
+    med: np.ndarray  # median of the last ``window`` steps
+    level: np.ndarray  # median of the last ``level_window`` steps (from ``window`` steps on)
+    counted: np.ndarray  # steps recorded in the last ``level_window``
+    center: np.ndarray | None = None  # each rank's median excess over the run (round 1)
+
+
+@dataclass
+class Round1:
+    noise: np.ndarray  # per rank: robust step-to-step jitter (NaN: fewer than two steps)
+    center: np.ndarray  # per rank: median excess
+    steps: np.ndarray  # per rank: steps recorded
+
+
+@dataclass
+class Round2:
+    n: int  # moments of the clipped excess over the rank's level
+    total: float
+    squares: float
+    second_w: np.ndarray  # second differences of ``window``-step block means (finite ones)
+    second_lw: np.ndarray  # the same for ``level_window``-step blocks
+    bar: float  # lowest level bar at the last step
+
+
+@dataclass(frozen=True)
+class Scalars:
+    """The job-wide quantities every block's flags use."""
+
+    noise: float
+    spread: float  # the ranks' lasting offsets (standard deviation); inf: no shrinkage
+    skew: float = 0.0
+    variance: float = 0.0
+    bar: float = 0.0
+
+    def cap(self, cfg: DetectConfig) -> float:
+        return cfg.clip * self.noise
+
+
+def _moving(fn, x: np.ndarray, window: int, min_count: int) -> np.ndarray:
+    """``fn`` (a bottleneck moving statistic) over the last ``window`` rows, NaN below ``min_count``."""
+    n = x.shape[0]
+    if n < min_count:
+        return np.full(x.shape, np.nan)
+    return fn(x, min(window, n), min_count=min_count, axis=0)
+
+
+def block_state(e: np.ndarray, costly: np.ndarray, cfg: DetectConfig) -> BlockState:
+    w, lw = cfg.window, cfg.level_window
+    med = _moving(bn.move_median, e, w, w // 2 + 1)
+    level = _moving(bn.move_median, e, lw, w)  # from ``window`` steps on, its bar higher while it has fewer
+    if np.isfinite(e).all():  # every step recorded: the count is the window's length
+        counted = np.broadcast_to(np.minimum(np.arange(1.0, len(e) + 1.0), float(lw))[:, None], e.shape)
+    else:
+        counted = _moving(bn.move_sum, np.isfinite(e).astype(float), lw, 1)
+    return BlockState(e, costly, med, level, counted)
+
+
+def round1(state: BlockState) -> Round1:
+    d = np.abs(np.diff(state.e, axis=0))
+    noise = 1.4826 * rank_nanmedian(d) / np.sqrt(2.0)
+    state.center = rank_nanmedian(state.e)
+    return Round1(noise, state.center, np.sum(np.isfinite(state.e), axis=0).astype(float))
+
+
+def combine1(parts: list[Round1], cfg: DetectConfig) -> Scalars:
+    noise_r = np.concatenate([p.noise for p in parts]) if parts else np.zeros(0)
+    noise_r = noise_r[np.isfinite(noise_r)]
+    noise = max(float(np.median(noise_r)) if noise_r.size else 0.0, 0.002)
+    centers = np.concatenate([p.center for p in parts]) if parts else np.zeros(0)
+    steps = np.concatenate([p.steps for p in parts]) if parts else np.zeros(0)
+    spread = _offset_spread(centers, steps, noise) if len(centers) >= 8 else np.inf
+    return Scalars(noise=noise, spread=spread)
+
+
+def _offset_spread(centers: np.ndarray, steps: np.ndarray, noise: float) -> float:
     """The spread (standard deviation) of the ranks' lasting offsets from their peers: the robust
     spread of their run medians, less the part the per-step noise alone gives them."""
-    medians = np.nanmedian(e, axis=0)
-    medians = medians[np.isfinite(medians)]
+    medians = centers[np.isfinite(centers)]
     if medians.size < 2:
         return np.inf
     observed = 1.4826 * float(np.median(np.abs(medians - np.median(medians))))
-    steps = max(1, int(np.median(np.sum(np.isfinite(e), axis=0))))
-    return float(np.sqrt(max(0.0, observed**2 - (1.2533 * noise) ** 2 / steps)))
+    n = max(1, int(np.median(steps)))
+    return float(np.sqrt(max(0.0, observed**2 - (1.2533 * noise) ** 2 / n)))
 
 
-def _long_run_variance(dev: np.ndarray, block: int) -> float:
-    """Variance per step that sums of ``dev`` (steps x ranks, clipped excess) show over ``block``
-    steps: ``block`` x the variance of ``block``-step means, measured on each block's difference
-    from its two neighbours (which takes out offsets and slow drift), winsorised at five robust
-    standard deviations (so that a straggler's one change does not dominate). Above the per-step
-    variance when slow excursions (a rank a bit slower for tens of steps, as on a shared host) are
-    more than independent steps give."""
+def _second_differences(dev: np.ndarray, block: int) -> np.ndarray:
+    """Each ``block``-step mean's difference from its two neighbours' mean (finite ones, flat)."""
     n = dev.shape[0] // block
-    if n < 3 or not np.isfinite(dev).any():
-        return 0.0
+    if n < 3:
+        return np.zeros(0)
     with np.errstate(invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN blocks
         means = np.nanmean(dev[: n * block].reshape(n, block, -1), axis=1)
     second = means[1:-1] - (means[:-2] + means[2:]) / 2.0  # variance 1.5 x a block mean's
-    second = second[np.isfinite(second)]
+    return second[np.isfinite(second)]
+
+
+def _long_run_variance(second: np.ndarray, block: int) -> float:
+    """Variance per step that sums of the clipped excess show over ``block`` steps: ``block`` x
+    the variance of ``block``-step means, measured on each block's difference from its two
+    neighbours (which takes out offsets and slow drift), winsorised at five robust standard
+    deviations (so that a straggler's one change does not dominate). Above the per-step variance
+    when slow excursions (a rank a bit slower for tens of steps, as on a shared host) are more
+    than independent steps give."""
     if not second.size:
         return 0.0
     robust = 1.4826 * float(np.median(np.abs(second - np.median(second))))
@@ -79,71 +178,89 @@ def _long_run_variance(dev: np.ndarray, block: int) -> float:
     return block * float(np.mean(tails**2)) / 1.5
 
 
-def rolling_median(x: np.ndarray, window: int, min_periods: int | None = None) -> np.ndarray:
-    frame = pd.DataFrame(x)
-    return frame.rolling(window, min_periods=min_periods or window).median().to_numpy()
-
-
-def flags(e: np.ndarray, costly: np.ndarray, rule: DetectConfig) -> tuple[np.ndarray, dict[str, float]]:
-    """Steps x ranks bool flags for the excess ``e``; ``costly``: steps x ranks, the excess is worth
-    reporting (a noticeable part of the step). Returns the flags and the thresholds used."""
-    n_steps, n_ranks = e.shape
-    noise = max(step_noise(e), 0.002)
-    delta = rule.min_slowdown
-    w, lw = rule.window, rule.level_window
-    # H0: a change of at most delta / 3 (slow drift, noise); H1: a change of delta (and a second
-    # CUSUM for 2 delta, faster on clear stragglers). Each one's reference value lies halfway
-    # between its H0 and H1, plus the baseline's own uncertainty (``margin``) so that a baseline
-    # drawn low does not turn noise into evidence; it alarms at ``decision`` nats of
-    # log-likelihood ratio between its two hypotheses.
-    c0 = delta / 3.0
-    targets = (delta, 2.0 * delta)
-    ks = [(c0 + t) / 2.0 for t in targets]
-    cap = rule.clip * noise
-    # the short median must be clearly above the baseline: half the smallest change, or two of its
-    # standard errors where noise makes that larger
-    persist = max(delta / 2.0, 2.0 * 1.2533 * noise / np.sqrt(w))
-    med = rolling_median(e, w, w // 2 + 1)
-    level = rolling_median(e, lw, w)  # from ``window`` steps on, its bar higher while it has fewer
-    counted = pd.DataFrame(np.isfinite(e).astype(float)).rolling(lw, min_periods=1).sum().to_numpy()
-    # skewed noise (a step can be much slower than usual, hardly much faster) has a mean above its
-    # median: the CUSUM sums (clipped) excesses but centres them on a median, so it subtracts the
-    # noise's own clipped mean-minus-median, measured over the whole run
+def round2(state: BlockState, sc: Scalars, cfg: DetectConfig) -> Round2:
+    cap = sc.cap(cfg)
     with np.errstate(invalid="ignore"):
-        dev = np.clip(e - level, -cap, cap)
-    skew = float(np.nanmean(dev)) if np.isfinite(dev).any() else 0.0
+        dev = np.clip(state.e - state.level, -cap, cap)
+        around = np.clip(state.e - state.center, -cap, cap)
+    finite = dev[np.isfinite(dev)]
+    bars = level_bars(state.counted[-1:], sc, cfg) if len(state.e) else np.zeros(0)
+    return Round2(
+        n=int(finite.size),
+        total=float(np.sum(finite)),
+        squares=float(np.sum(finite**2)),
+        second_w=_second_differences(around, cfg.window),
+        second_lw=_second_differences(around, cfg.level_window),
+        bar=float(bars.min()) if bars.size else cfg.min_slowdown,
+    )
+
+
+def combine2(parts: list[Round2], sc: Scalars, cfg: DetectConfig) -> Scalars:
+    n = sum(p.n for p in parts)
+    skew = sum(p.total for p in parts) / n if n else 0.0
+    plain = max(0.0, sum(p.squares for p in parts) / n - skew**2) if n else 0.0
+    second_w = np.concatenate([p.second_w for p in parts]) if parts else np.zeros(0)
+    second_lw = np.concatenate([p.second_lw for p in parts]) if parts else np.zeros(0)
     # the alarm levels need the variance of what the CUSUM sums (the clipped excess), which heavy
     # tails make larger than the robust ``noise`` says, and which slow excursions (a rank a bit
     # slower for tens of steps, as on a shared host) make larger still over the CUSUM's horizon:
     # the long-run variance, from the means of ``window``- and ``level_window``-step blocks
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a rank with no step
-        around = np.clip(e - np.nanmedian(e, axis=0), -cap, cap)
-    plain = float(np.nanvar(dev)) if np.isfinite(dev).any() else 0.0
-    variance = max(noise**2, plain, _long_run_variance(around, w), _long_run_variance(around, lw))
-    hs = [rule.decision * variance / (t - c0) for t in targets]
-    h = hs[0]
-    trailing = np.full_like(e, np.nan)
-    n_trailing = np.ones_like(e)
-    if n_steps > w:
-        # the level median where it had at least half its window (the same median, fewer NaNs)
-        trailing[w:] = np.where(counted >= lw // 2, level, np.nan)[:-w]
-        n_trailing[w:] = np.maximum(1.0, counted[:-w])
+    variance = max(sc.noise**2, plain, _long_run_variance(second_w, cfg.window),
+                   _long_run_variance(second_lw, cfg.level_window))  # fmt: skip
+    bar = min((p.bar for p in parts), default=cfg.min_slowdown)
+    return replace(sc, skew=skew, variance=variance, bar=bar)
+
+
+def level_bars(counted: np.ndarray, sc: Scalars, cfg: DetectConfig) -> np.ndarray:
+    """The level test's bar for a median of ``counted`` steps."""
+    with np.errstate(divide="ignore"):
+        return np.maximum(cfg.min_slowdown, cfg.tolerance + cfg.z * 1.2533 * sc.noise / np.sqrt(counted))
+
+
+def alarm_levels(sc: Scalars, cfg: DetectConfig) -> tuple[float, list[float], list[float]]:
+    """H0's change, the CUSUMs' reference values and alarm levels (H1: a change of min_slowdown,
+    and of twice that). Each reference value lies halfway between its H0 and H1; a CUSUM alarms
+    at ``decision`` nats of log-likelihood ratio between its two hypotheses."""
+    delta = cfg.min_slowdown
+    c0 = delta / 3.0
+    targets = (delta, 2.0 * delta)
+    return c0, [(c0 + t) / 2.0 for t in targets], [cfg.decision * sc.variance / (t - c0) for t in targets]
+
+
+_CHUNK = 1024  # steps whose baselines are computed at once (bounds round 3's memory)
+
+
+def _baselines(state: BlockState, sc: Scalars, cfg: DetectConfig, lo: int, hi: int) -> tuple[np.ndarray, ...]:
+    """For steps ``lo:hi``: each rank's baseline, its margin, and the level test's bar."""
+    w, lw = cfg.window, cfg.level_window
+    rows = np.arange(lo, hi) - w  # the baseline is the level median of ``window`` steps ago
+    ok = rows >= 0
+    src = np.maximum(rows, 0)
+    counted = state.counted[src]
+    # the level median where it had at least half its window (the same median, fewer NaNs)
+    trailing = np.where(ok[:, None] & (counted >= lw // 2), state.level[src], np.nan)
+    n_trailing = np.where(ok[:, None], np.maximum(1.0, counted), 1.0)
     # a rank's own baseline is uncertain (a median of at most ``lw`` steps); where the ranks show no
     # lasting offsets from one another, shrink it toward its peers' level (empirical Bayes), which
     # is known far better: ``spread`` is the ranks' true offset spread, their run medians' spread
     # less what noise alone gives
-    se_base = 1.2533 * noise / np.sqrt(n_trailing)
-    spread = _offset_spread(e, noise) if n_ranks >= 8 else np.inf
-    weight = 1.0 if np.isinf(spread) else spread**2 / (spread**2 + se_base**2)
-    trailing = trailing * weight
-    margin = 1.5 * np.sqrt(weight) * se_base
-    with np.errstate(divide="ignore"):
-        bars = np.maximum(delta, rule.tolerance + rule.z * 1.2533 * noise / np.sqrt(counted))
-    bar = float(bars[-1].min()) if n_steps else delta
+    se_base = 1.2533 * sc.noise / np.sqrt(n_trailing)
+    weight = 1.0 if np.isinf(sc.spread) else sc.spread**2 / (sc.spread**2 + se_base**2)
+    return trailing * weight, 1.5 * np.sqrt(weight) * se_base, level_bars(state.counted[lo:hi], sc, cfg)
 
+
+def round3(state: BlockState, sc: Scalars, cfg: DetectConfig) -> np.ndarray:
+    """Steps x ranks bool flags of one block."""
+    e, costly, med, level = state.e, state.costly, state.med, state.level
+    n_steps, n_ranks = e.shape
+    delta, w = cfg.min_slowdown, cfg.window
+    _, ks, hs = alarm_levels(sc, cfg)
+    cap, skew = sc.cap(cfg), sc.skew
+    # the short median must be clearly above the baseline: half the smallest change, or two of its
+    # standard errors where noise makes that larger
+    persist = max(delta / 2.0, 2.0 * 1.2533 * sc.noise / np.sqrt(w))
     out = np.zeros((n_steps, n_ranks), dtype=bool)
-    cusum = np.zeros((len(targets), n_ranks))
+    cusum = np.zeros((len(ks), n_ranks))
     run_n = np.zeros(n_ranks)  # steps since the CUSUM last left zero, and their (capped) excess
     run_sum = np.zeros(n_ranks)
     base = np.full(n_ranks, np.nan)
@@ -152,36 +269,56 @@ def flags(e: np.ndarray, costly: np.ndarray, rule: DetectConfig) -> tuple[np.nda
     run_on = np.zeros(n_ranks, dtype=np.int32)
     run_off = np.zeros(n_ranks, dtype=np.int32)
     for s in range(n_steps):
-        frozen = on | (cusum[0] > h / 2)
+        if s % _CHUNK == 0:
+            trailing, margin, bars = _baselines(state, sc, cfg, s, min(s + _CHUNK, n_steps))
+        frozen = on | (cusum[0] > hs[0] / 2)
         fresh = ~(frozen & np.isfinite(base))
-        base = np.where(fresh, trailing[s], base)
-        unsure = np.where(fresh, margin[s], unsure)
+        base = np.where(fresh, trailing[s % _CHUNK], base)
+        unsure = np.where(fresh, margin[s % _CHUNK], unsure)
         score = np.clip(e[s] - base, -cap, cap) - skew
         seen = np.isfinite(score)
         alarm = np.zeros(n_ranks, dtype=bool)
         for i, (k, hi) in enumerate(zip(ks, hs, strict=True)):
-            cusum[i] = np.where(seen, np.maximum(0.0, cusum[i] + np.nan_to_num(score - k - unsure)), cusum[i])
+            cusum[i] = np.where(seen, np.maximum(0.0, cusum[i] + (score - k - unsure)), cusum[i])
             alarm |= cusum[i] >= hi
         restart = seen & (cusum[0] == 0.0)
         run_n = np.where(restart, 0.0, run_n + seen)
-        run_sum = np.where(restart, 0.0, run_sum + np.where(seen, np.nan_to_num(score), 0.0))
-        m, lev, lev_bar = med[s], level[s], bars[s]
-        level_off = (rule.tolerance + lev_bar) / 2.0  # below it, a level flag clears (hysteresis)
+        run_sum = np.where(restart, 0.0, run_sum + np.where(seen, score, 0.0))
+        m, lev, lev_bar = med[s], level[s], bars[s % _CHUNK]
+        level_off = (cfg.tolerance + lev_bar) / 2.0  # below it, a level flag clears (hysteresis)
         with np.errstate(invalid="ignore", divide="ignore"):
             # the change's size: its mean since the CUSUM rose (the maximum-likelihood estimate), and
             # the median of the last ``window`` steps (persistence: most recent steps are slow)
             size = run_sum / run_n
             change = alarm & (size >= 0.75 * delta) & (m - base >= persist) & (m >= delta / 2)
             slow = (change | (lev >= lev_bar)) & costly[s]
-            near = (m - base < delta * rule.off_ratio) | (m < delta * rule.off_ratio)
+            near = (m - base < delta * cfg.off_ratio) | (m < delta * cfg.off_ratio)
             back = np.where(np.isfinite(base), near, m < level_off) & ~(lev >= level_off)
         gap = np.isnan(m)  # too few steps in the window (a rank missing rows): no evidence either way
         run_on = np.where(gap, run_on, np.where(slow, run_on + 1, 0))
         run_off = np.where(gap, run_off, np.where(back, run_off + 1, 0))
-        cleared = on & (run_off >= rule.confirm)
-        on = (on & ~cleared) | (~on & (run_on >= rule.confirm))
+        cleared = on & (run_off >= cfg.confirm)
+        on = (on & ~cleared) | (~on & (run_on >= cfg.confirm))
         cusum[:, cleared] = 0.0
         out[s] = on
-    thresholds = {"noise": noise, "skew": skew, "cusum_h": h, "level_bar": bar, "min_slowdown": delta,
-                  "tolerance": rule.tolerance}  # fmt: skip
-    return out, thresholds
+    return out
+
+
+def thresholds(sc: Scalars, cfg: DetectConfig) -> dict[str, float]:
+    _, _, hs = alarm_levels(sc, cfg)
+    return {"noise": sc.noise, "skew": sc.skew, "cusum_h": hs[0], "level_bar": sc.bar,
+            "min_slowdown": cfg.min_slowdown, "tolerance": cfg.tolerance}  # fmt: skip
+
+
+def flags(e: np.ndarray, costly: np.ndarray, cfg: DetectConfig) -> tuple[np.ndarray, dict[str, float]]:
+    """Steps x ranks bool flags for the excess ``e``; ``costly``: steps x ranks, the excess is worth
+    reporting (a noticeable part of the step). Returns the flags and the thresholds used. The
+    rounds run here, block after block; ``rayengine.py`` runs the same rounds on a cluster."""
+    blocks = rank_blocks(e.shape[1], e.shape[0])
+    states = [block_state(np.ascontiguousarray(e[:, b]), np.ascontiguousarray(costly[:, b]), cfg) for b in blocks]
+    sc = combine1([round1(s) for s in states], cfg)
+    sc = combine2([round2(s, sc, cfg) for s in states], sc, cfg)
+    out = np.zeros(e.shape, dtype=bool)
+    for b, state in zip(blocks, states, strict=True):
+        out[:, b] = round3(state, sc, cfg)
+    return out, thresholds(sc, cfg)

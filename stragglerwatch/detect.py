@@ -30,13 +30,22 @@ import pandas as pd
 
 from .consistency import flags as consistency_flags
 from .schema import PHASE_COLUMNS
+from .stages import (
+    CAUSES,
+    Groups,
+    HealthyStats,
+    RankSeries,
+    StepStats,
+    cause_phases,
+    describe,
+    healthy_stage,
+    intervals,
+    nanmedian,
+    other_max,
+    step_stage,
+)
 
-CAUSES = {
-    "data": ("data_wait_s",),
-    "compute": ("forward_s", "backward_s"),
-    "optimizer": ("optimizer_s",),
-    "other": ("other_s",),
-}
+__all__ = ["CAUSES", "DetectConfig", "StepMatrix", "Verdict", "detect", "nanmedian"]
 MATRIX_COLUMNS = ("busy_s", "step_s", "comm_wait_s", *PHASE_COLUMNS)
 
 
@@ -170,55 +179,6 @@ def matrix_from_columns(
     return StepMatrix(ranks, steps, values)
 
 
-def peer_reference(busy: np.ndarray, members: np.ndarray) -> np.ndarray:
-    """Per step and rank, the median busy time of the rank's peers (``members``: column
-    indices of one group). Leave-one-out for groups of up to 8, else the group median."""
-    sub = busy[:, members]
-    ref = np.empty_like(sub)
-    n = len(members)
-    if n == 1:
-        return sub.copy()
-    if n <= 8:
-        for j in range(n):
-            ref[:, j] = nanmedian(np.delete(sub, j, axis=1), axis=1)
-    else:
-        ref[:] = nanmedian(sub, axis=1)[:, None]
-    return ref
-
-
-def nanmedian(a: np.ndarray, axis: int) -> np.ndarray:
-    """``np.nanmedian`` without its slow per-row fallback when NaNs are present."""
-    if a.size == 0:
-        return np.full(a.shape[1 - axis] if a.ndim == 2 else 0, np.nan)
-    if not np.isnan(a).any():
-        return np.median(a, axis=axis)
-    ordered = np.sort(a, axis=axis)  # NaNs sort last
-    n = np.sum(~np.isnan(a), axis=axis)
-    lo = np.take_along_axis(ordered, np.expand_dims(np.maximum((n - 1) // 2, 0), axis), axis)
-    hi = np.take_along_axis(ordered, np.expand_dims(np.maximum(n // 2, 0), axis), axis)
-    out = np.squeeze((lo + hi) / 2.0, axis=axis)
-    return np.where(n == 0, np.nan, out)
-
-
-def _change_point(e: np.ndarray, lo: int, hi: int, level: float, onset: bool) -> int:
-    """Index in [lo, hi] that best splits healthy from slow steps (sign CUSUM)."""
-    seg = e[lo : hi + 1]
-    signs = np.where(np.isnan(seg), 0.0, np.where(seg > level / 2, 1.0, -1.0))
-    if onset:  # slow from c on: maximise the sum over [c, hi]
-        scores = np.cumsum(signs[::-1])[::-1]
-    else:  # slow until c: maximise the sum over [lo, c]
-        scores = np.cumsum(signs)
-    return lo + int(np.argmax(scores))
-
-
-def _intervals(flag: np.ndarray) -> list[tuple[int, int | None]]:
-    """(index where a flag rose, index where it cleared or None) for one rank."""
-    edges = np.diff(np.concatenate(([0], flag.astype(np.int8), [0])))
-    rises = np.flatnonzero(edges == 1)
-    falls = np.flatnonzero(edges == -1)
-    return [(int(r), int(f) if f < len(flag) else None) for r, f in zip(rises, falls, strict=True)]
-
-
 def detect(
     data: pd.DataFrame | StepMatrix, config: DetectConfig | None = None, groups: dict[int, str] | None = None
 ) -> Verdict:
@@ -226,116 +186,86 @@ def detect(
     cfg = config or DetectConfig()
     mat = data if isinstance(data, StepMatrix) else to_matrix(data)
     busy = mat.values["busy_s"]
-    n_steps, n_ranks = busy.shape
-    group_of = [str(groups.get(int(r), "")) if groups else "" for r in mat.ranks]
-    names = sorted(set(group_of))
-    members = {g: np.array([j for j, x in enumerate(group_of) if x == g]) for g in names}
-
-    ref = np.full_like(busy, np.nan)
-    for idx in members.values():
-        ref[:, idx] = peer_reference(busy, idx)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        excess = busy / ref - 1.0
-    step_med = nanmedian(mat.values["step_s"], axis=1)
-    # the excess must also cost a noticeable part of the step
-    with np.errstate(invalid="ignore"):
-        costly = excess * ref > cfg.min_step_fraction * step_med[:, None]
+    g = Groups.of(mat.ranks, groups)
+    excess, costly, stats = step_stage(busy, mat.values["step_s"], mat.values["comm_wait_s"], g, cfg)
     flags, thresholds = consistency_flags(excess, costly, cfg)
+    del costly
+    phases = cause_phases(mat.values)
+    health = healthy_stage(busy, phases, flags, ~flags.any(axis=0), g)
+    found = []
+    for j in np.flatnonzero(flags.any(axis=0)):
+        col = health.ref_h[:, g.index[j]]
+        series = RankSeries(excess[:, j], busy[:, j], [p[:, j] for p in phases], col,
+                            other_max(stats.top1, stats.top1_at, stats.top2, j), health.peer_phase)  # fmt: skip
+        found += [straggler(int(mat.ranks[j]), mat.steps, series, a, b, cfg) for a, b in intervals(flags[:, j])]
+    slowdown = busy / health.ref_h[:, g.index] if busy.size else np.zeros(busy.shape)
+    return verdict(mat.ranks, mat.steps, found, stats, health, g, cfg, thresholds, slowdown, flags)
 
-    # healthy reference: median over the unflagged ranks of the group, per step
-    healthy = np.where(flags, np.nan, busy)
-    ref_h = np.full_like(busy, np.nan)
-    for idx in members.values():
-        with np.errstate(all="ignore"):
-            col = nanmedian(healthy[:, idx], axis=1) if len(idx) > 1 else busy[:, idx[0]]
-        ref_h[:, idx] = np.where(np.isnan(col), nanmedian(busy[:, idx], axis=1), col)[:, None]
 
-    stragglers = [
-        _describe(mat, excess, ref_h, flags, j, start, end, cfg)
-        for j in range(n_ranks)
-        for start, end in _intervals(flags[:, j])
-    ]
-    stragglers = _merge_episodes(stragglers, mat.steps, cfg.window)
+def straggler(rank: int, steps: np.ndarray, series: RankSeries, start: int, end: int | None, cfg: DetectConfig
+              ) -> Straggler:  # fmt: skip
+    """The verdict on one flagged stretch [start, end) of a rank (step indices)."""
+    d = describe(series, start, end, cfg)
+    return Straggler(
+        rank=rank,
+        cause=d["cause"],
+        slowdown=d["slowdown"],
+        first_step=int(steps[d["first"]]),
+        last_step=None if d["last"] is None else int(steps[d["last"]]),
+        detected_step=int(steps[start]),
+        lost_seconds=d["lost_seconds"],
+        excess_ms=d["excess_ms"],
+    )
+
+
+def verdict(
+    ranks: np.ndarray,
+    steps: np.ndarray,
+    found: list[Straggler],
+    stats: StepStats,
+    health: HealthyStats,
+    groups: Groups,
+    cfg: DetectConfig,
+    thresholds: dict[str, float],
+    slowdown: np.ndarray,
+    flags: np.ndarray,
+) -> Verdict:
+    """The job's verdict from the per-step figures of every step and the flagged stretches."""
+    stragglers = _merge_episodes(found, steps, cfg.window)
     stragglers.sort(key=lambda s: -s.lost_seconds)
-
-    busy_max = np.nanmax(np.where(np.isnan(busy), -np.inf, busy), axis=1) if n_steps else np.zeros(0)
-    ref_job = nanmedian(ref_h, axis=1)
-    step_job = np.nan_to_num(step_med)
-    waste = np.clip(np.nan_to_num(busy_max - ref_job), 0.0, step_job)
+    step_job = np.nan_to_num(stats.step_med)
+    waste = np.clip(np.nan_to_num(stats.top1 - health.ref_job), 0.0, step_job)
     job = float(step_job.sum())
     with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN steps
-        least_wait = np.nanmin(mat.values["comm_wait_s"], axis=1) if n_steps else np.zeros(0)
-        comm = np.nanmedian(least_wait / step_med) if n_steps else 0.0
+        comm = np.nanmedian(stats.least_wait / stats.step_med) if len(steps) else 0.0
     comm = float(np.nan_to_num(comm))
     return Verdict(
-        ranks=mat.ranks,
-        steps=mat.steps,
+        ranks=ranks,
+        steps=steps,
         stragglers=stragglers,
-        groups=_group_imbalance(busy, members, mat.ranks, cfg),
+        groups=_group_imbalance(stats.group_med, groups, ranks, cfg),
         job_seconds=job,
         ideal_seconds=job - float(waste.sum()),
         lost_seconds=float(waste.sum()),
         communication_bound=bool(comm >= cfg.comm_bound_fraction and not stragglers),
         comm_fraction=comm,
         thresholds=thresholds,
-        slowdown=busy / ref_h,
+        slowdown=slowdown,
         flags=flags,
     )
 
 
-def _describe(
-    mat: StepMatrix,
-    excess: np.ndarray,
-    ref_h: np.ndarray,
-    flags: np.ndarray,
-    j: int,
-    start: int,
-    end: int | None,
-    cfg: DetectConfig,
-) -> Straggler:
-    busy = mat.values["busy_s"]
-    e = excess[:, j]
-    stop = (end if end is not None else len(e)) - 1
-    level = float(np.nanmedian(e[start : stop + 1]))
-    look = cfg.level_window + cfg.window + cfg.confirm  # the latest a flag can rise after the onset
-    first = _change_point(e, max(0, start - look), start, level, onset=True)
-    last = None if end is None else _change_point(e, max(first, end - look), end, level, onset=False)
-    span = slice(first, (last if last is not None else stop) + 1)
-    slowdown = float(np.nanmedian(busy[span, j] / ref_h[span, j]))
-    # what-if: the step without this rank's excess is set by the reference or the busiest other rank
-    others = np.delete(busy[span], j, axis=1)
-    other_max = np.nanmax(np.where(np.isnan(others), -np.inf, others), axis=1) if others.shape[1] else -np.inf
-    lost = np.clip(busy[span, j] - np.maximum(ref_h[span, j], other_max), 0.0, None)
-    healthy = ~flags[span]
-    healthy[:, j] = False
-    excess_ms = {}
-    for cause, cols in CAUSES.items():
-        phase = sum(mat.values[c][span] for c in cols)
-        peer = nanmedian(np.where(healthy, phase, np.nan), axis=1) if healthy.any() else nanmedian(phase, 1)
-        excess_ms[cause] = round(float(np.nanmedian(phase[:, j] - peer)) * 1000.0, 3)
-    return Straggler(
-        rank=int(mat.ranks[j]),
-        cause=max(excess_ms, key=excess_ms.__getitem__),
-        slowdown=round(slowdown, 4),
-        first_step=int(mat.steps[first]),
-        last_step=None if last is None else int(mat.steps[last]),
-        detected_step=int(mat.steps[start]),
-        lost_seconds=float(np.nansum(lost)),
-        excess_ms=excess_ms,
-    )
-
-
-def _group_imbalance(
-    busy: np.ndarray, members: dict[str, np.ndarray], ranks: np.ndarray, cfg: DetectConfig
-) -> list[GroupImbalance]:
-    if len(members) < 2:
+def _group_imbalance(group_med: np.ndarray, groups: Groups, ranks: np.ndarray, cfg: DetectConfig
+                     ) -> list[GroupImbalance]:  # fmt: skip
+    if len(groups.names) < 2:
         return []
-    med = {g: nanmedian(busy[:, idx], axis=1) for g, idx in members.items()}
     out = []
-    for g, series in med.items():
-        rest = nanmedian(np.column_stack([s for h, s in med.items() if h != g]), axis=1)
-        ratio = float(np.nanmedian(series / rest))
+    for g, name in enumerate(groups.names):
+        rest = nanmedian(np.delete(group_med, g, axis=1), axis=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            ratio = float(np.nanmedian(group_med[:, g] / rest))
         if ratio > 1.0 + cfg.group_min_slowdown:
-            out.append(GroupImbalance(g, [int(ranks[i]) for i in members[g]], round(ratio, 4)))
+            out.append(GroupImbalance(name, [int(ranks[i]) for i in groups.members[g]], round(ratio, 4)))
     return sorted(out, key=lambda x: -x.slowdown)

@@ -347,12 +347,38 @@ class RunLogs:
     schema: pa.Schema
 
 
-def read_logs(
-    run_dir: str | os.PathLike[str],
-    columns: Sequence[str] | None = None,
-    progress: Callable[[int, int], None] | None = None,
-) -> RunLogs:
-    """Read (and validate) every step log of a run dir; see :func:`load_run`."""
+def log_columns(columns: Sequence[str] | None) -> list[str]:
+    """The step-log columns to read for ``columns`` (``rank`` and ``step`` always; None: all)."""
+    names = list(STEP_SCHEMA.names)
+    if columns is None:
+        return names
+    unknown = sorted(set(columns) - set(RUN_COLUMNS))
+    if unknown:
+        raise ValueError(f"unknown columns {unknown}")
+    return [n for n in names if n in ("rank", "step") or n in columns]
+
+
+def read_log(f: Path, names: list[str], warn: Callable[[str], None] = _warn) -> pa.Table | None:
+    """One step log's readable records with the columns ``names`` (validated, upgraded to this
+    schema, damaged ranks dropped), or None; every problem is one ``warn`` line."""
+    table = _read_log(f, names)
+    if table is None or not table.num_rows:
+        return None
+    schema = pa.schema([STEP_SCHEMA.field(n) for n in names])
+    try:
+        table = upgrade(table, names).cast(schema)
+    except (pa.ArrowException, ValueError, KeyError) as exc:
+        warn(f"{f}: skipped: its columns cannot be read as a step log ({exc})")
+        return None
+    valid = pc.and_(pc.greater_equal(table["rank"], 0), pc.less(table["rank"], MAX_RANKS))
+    if not pc.all(valid).as_py():
+        warn(f"{f}: {table.num_rows - pc.sum(valid).as_py()} record(s) skipped: rank out of range (damaged)")
+        table = table.filter(valid)
+    return table
+
+
+def run_files(run_dir: str | os.PathLike[str]) -> tuple[Path, dict | None, list[Path]]:
+    """A run dir's path, its run metadata and its step logs (raises ``RunDirError``)."""
     path = Path(run_dir)
     if not path.is_dir():
         raise RunDirError(f"{path}: not a directory")
@@ -362,39 +388,40 @@ def read_logs(
         raise RunDirError(f"{path}: not a stragglerwatch run dir (no {RUN_META}, no rank-*.arrows/.parquet)")
     if meta is None:
         _warn(f"{path / RUN_META}: missing or unreadable; world size taken from the logs")
-    names = list(STEP_SCHEMA.names)
-    if columns is not None:
-        unknown = sorted(set(columns) - set(RUN_COLUMNS))
-        if unknown:
-            raise ValueError(f"unknown columns {unknown}")
-        names = [n for n in names if n in ("rank", "step") or n in columns]
-    schema = pa.schema([STEP_SCHEMA.field(n) for n in names])
+    return path, meta, files
+
+
+def world_size(path: Path, meta: dict | None, ranks: set[int], warn: Callable[[str], None] = _warn) -> int:
+    """The run's world size (from its metadata, else the logs); warns of ranks with no steps."""
+    world = int(meta["world_size"]) if meta else (max(ranks) + 1 if ranks else 0)
+    present = {r for r in ranks if r < world}
+    if world > len(present) and ranks:
+        first = list(itertools.islice((r for r in range(world) if r not in present), 10))
+        more = world - len(present) - len(first)
+        shown = ", ".join(map(str, first)) + (f" and {more} more" if more else "")
+        warn(f"{path}: no steps from rank(s) {shown} of {world}")
+    return world
+
+
+def read_logs(
+    run_dir: str | os.PathLike[str],
+    columns: Sequence[str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> RunLogs:
+    """Read (and validate) every step log of a run dir; see :func:`load_run`."""
+    path, meta, files = run_files(run_dir)
+    names = log_columns(columns)
     tables = []
     ranks: set[int] = set()
     for i, f in enumerate(files):
-        table = _read_log(f, names)
-        if table is not None and table.num_rows:
-            try:
-                table = upgrade(table, names).cast(schema)
-            except (pa.ArrowException, ValueError, KeyError) as exc:
-                _warn(f"{f}: skipped: its columns cannot be read as a step log ({exc})")
-                continue
-            valid = pc.and_(pc.greater_equal(table["rank"], 0), pc.less(table["rank"], MAX_RANKS))
-            if not pc.all(valid).as_py():
-                _warn(f"{f}: {table.num_rows - pc.sum(valid).as_py()} record(s) skipped: rank out of range (damaged)")
-                table = table.filter(valid)
+        table = read_log(f, names)
+        if table is not None:
             tables.append(table)
             ranks.update(pc.unique(table["rank"]).to_pylist())
         if progress:
             progress(i + 1, len(files))
-    world = int(meta["world_size"]) if meta else (max(ranks) + 1 if ranks else 0)
-    present = {r for r in ranks if r < world}
-    if world > len(present) and tables:
-        first = list(itertools.islice((r for r in range(world) if r not in present), 10))
-        more = world - len(present) - len(first)
-        shown = ", ".join(map(str, first)) + (f" and {more} more" if more else "")
-        _warn(f"{path}: no steps from rank(s) {shown} of {world}")
-    return RunLogs(path, world, tables, schema)
+    world = world_size(path, meta, ranks)
+    return RunLogs(path, world, tables, pa.schema([STEP_SCHEMA.field(n) for n in names]))
 
 
 def load_run(

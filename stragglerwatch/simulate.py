@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -86,14 +86,25 @@ class SimConfig:
     bootstrap_block: int = 25  # steps per resampled block (keeps the real runs' short-range correlation)
 
 
-def simulate_arrays(cfg: SimConfig) -> dict[str, np.ndarray]:
+@dataclass
+class JobSteps:
+    """What every rank of a job shares at each step, for a run simulated a block of ranks at a time:
+    the job-wide variation, the all-reduce's transfer time and the slowest rank's busy time."""
+
+    drift: np.ndarray
+    comm: np.ndarray
+    peak: np.ndarray
+
+
+def simulate_arrays(cfg: SimConfig, job: JobSteps | None = None) -> dict[str, np.ndarray]:
     """Steps x ranks arrays of every column of the step log: every phase, ``busy_s``, ``step_s``
     and ``comm_wait_s`` (here the gradient all-reduce's, the only collective simulated)."""
     rng = np.random.default_rng(cfg.seed)
     shape = (cfg.steps, cfg.ranks)
     base = cfg.step_ms / 1000.0
     scale = np.exp(cfg.noise * rng.standard_normal(shape, dtype=np.float32)).astype(np.float64)
-    scale *= np.exp(cfg.drift * rng.standard_normal(cfg.steps))[:, None]
+    drift = np.exp(cfg.drift * rng.standard_normal(cfg.steps))
+    scale *= (job.drift if job else drift)[:, None]
     out = {col: base * share * scale for col, share in PHASE_SHARES.items()}
     spikes = rng.random(shape, dtype=np.float32) < cfg.spike_prob
     out["other_s"] += spikes * (cfg.spike_mag * base)
@@ -107,7 +118,7 @@ def simulate_arrays(cfg: SimConfig) -> dict[str, np.ndarray]:
             out[col][rows, inj.rank] += inj.slowdown * base * PHASE_SHARES[col] / sum(PHASE_SHARES[c] for c in phases)
     busy = sum(out[c] for c in PHASE_SHARES)
     comm = cfg.comm_ms / 1000.0 * np.exp(cfg.noise * rng.standard_normal(cfg.steps))
-    step = busy.max(axis=1) + comm
+    step = np.maximum(busy.max(axis=1), job.peak) + job.comm if job else busy.max(axis=1) + comm
     out["busy_s"] = busy
     out["step_s"] = np.broadcast_to(step[:, None], shape).copy()
     out["allreduce_wait_s"] = out["step_s"] - busy
@@ -191,7 +202,41 @@ def to_frame(cfg: SimConfig, arrays: dict[str, np.ndarray] | None = None) -> pd.
     return frame
 
 
-def _rank_table(arrays: dict[str, np.ndarray], rank: int, start_time: np.ndarray) -> pa.Table:
+#: Steps x ranks records simulated at once; a larger run is simulated a block of ranks at a time.
+BLOCK_RECORDS = 1 << 25
+
+
+def _rank_blocks(cfg: SimConfig) -> dict[int, int]:
+    """First rank -> size of each block of ranks simulated together (whole hosts)."""
+    if cfg.ranks * cfg.steps <= BLOCK_RECORDS:
+        return {0: cfg.ranks}
+    per_host = max(1, cfg.ranks_per_host)
+    size = max(per_host, BLOCK_RECORDS // cfg.steps // per_host * per_host)
+    return {lo: min(size, cfg.ranks - lo) for lo in range(0, cfg.ranks, size)}
+
+
+def _block_config(cfg: SimConfig, lo: int, size: int) -> SimConfig:
+    """The simulation of ranks ``lo:lo+size``: its own noise, the job's stragglers among them."""
+    injections = [replace(i, rank=i.rank - lo) for i in cfg.injections if lo <= i.rank < lo + size]
+    return replace(cfg, ranks=size, seed=cfg.seed * 1_000_003 + lo + 1, injections=injections)
+
+
+def _job_steps(cfg: SimConfig, blocks: dict[int, int]) -> JobSteps:
+    """The job's shared per-step values; the slowest rank's busy time over every block (each block is
+    simulated twice, so that no more than one is in memory)."""
+    for injection in cfg.injections:
+        if not 0 <= injection.rank < cfg.ranks:
+            raise ValueError(f"straggler rank {injection.rank} outside 0..{cfg.ranks - 1}")
+    rng = np.random.default_rng([cfg.seed, 2])
+    job = JobSteps(np.exp(cfg.drift * rng.standard_normal(cfg.steps)),
+                   cfg.comm_ms / 1000.0 * np.exp(cfg.noise * rng.standard_normal(cfg.steps)),
+                   np.zeros(cfg.steps))  # fmt: skip
+    for lo, size in blocks.items():
+        job.peak = np.maximum(job.peak, simulate_arrays(_block_config(cfg, lo, size), job)["busy_s"].max(axis=1))
+    return job
+
+
+def _rank_table(arrays: dict[str, np.ndarray], rank: int, column: int, start_time: np.ndarray) -> pa.Table:
     n = len(start_time)
     empty_lists = {
         name: pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, dtype=np.int32)), pa.array([], type=typ.value_type))
@@ -208,7 +253,7 @@ def _rank_table(arrays: dict[str, np.ndarray], rank: int, start_time: np.ndarray
         **empty_lists,
     }
     for col, values in arrays.items():
-        columns[col] = pa.array(np.ascontiguousarray(values[:, rank]))
+        columns[col] = pa.array(np.ascontiguousarray(values[:, column]))
     return pa.Table.from_pydict({f.name: columns[f.name] for f in STEP_SCHEMA}, schema=STEP_SCHEMA)
 
 
@@ -216,9 +261,12 @@ def write_run(out_dir: str | Path, cfg: SimConfig, progress: Callable[[int, int]
     """Write a complete run dir (run.json, rank-*.json, rank-*.parquet) for ``cfg``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    arrays = simulate_arrays(cfg)
-    t0 = time.time() - float(arrays["step_s"][:, 0].sum())
-    start_time = t0 + np.concatenate(([0.0], np.cumsum(arrays["step_s"][:-1, 0])))
+    blocks = _rank_blocks(cfg)
+    job = _job_steps(cfg, blocks) if len(blocks) > 1 else None
+    arrays = simulate_arrays(cfg) if job is None else None
+    step = arrays["step_s"][:, 0] if arrays is not None else job.peak + job.comm  # type: ignore[union-attr]
+    t0 = time.time() - float(step.sum())
+    start_time = t0 + np.concatenate(([0.0], np.cumsum(step[:-1])))
     run_id = f"sim-{out.resolve().name}"
     sim = asdict(cfg)
     write_json_atomic(
@@ -227,12 +275,15 @@ def write_run(out_dir: str | Path, cfg: SimConfig, progress: Callable[[int, int]
          "versions": {"schema": SCHEMA_VERSION}, "config": {"simulated": True}, "simulation": sim},
     )  # fmt: skip
     for rank in range(cfg.ranks):
+        if job is not None and rank in blocks:
+            arrays = simulate_arrays(_block_config(cfg, rank, blocks[rank]), job)
+        column = rank - (max(b for b in blocks if b <= rank) if job is not None else 0)
         info = RunInfo(run_id, out, rank, rank % 8, cfg.ranks, f"sim-node-{rank // 8:04d}")
         meta = {k: v for k, v in asdict(info).items() if k != "run_dir"}
         if cfg.groups > 1:
             meta["role"] = f"group{rank * cfg.groups // cfg.ranks}"
         write_json_atomic(out / f"rank-{rank:05d}.json", {**meta, "device": "sim", "timing": "host"})
-        pq.write_table(_rank_table(arrays, rank, start_time), out / f"rank-{rank:05d}.parquet")
+        pq.write_table(_rank_table(arrays, rank, column, start_time), out / f"rank-{rank:05d}.parquet")  # type: ignore[arg-type]
         if progress:
             progress(rank + 1, cfg.ranks)
     return out

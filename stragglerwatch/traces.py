@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .analysis import Analysis, build_report
+from .analysis import Analysis, RankFigures, build_report
 from .detect import DetectConfig, detect, to_matrix
 from .whatif import DECOMPOSE_THRESHOLD, MAJORITY, TOP_WORKER_SHARE, WhatIf, analyze
 from .whatif_deps import DP_COMM, ModelError, build_grid, build_model
@@ -178,7 +178,8 @@ def analyze_trace(trace: str | Path, meta_path: str | Path, top_workers: int = 6
     stages = df.groupby("rank")["stage"].first()
     groups = {int(r): f"stage{int(s)}" for r, s in stages.items()}
     verdict = detect(mat, DetectConfig(window=8, confirm=3), groups=groups)
-    report = build_report(mat, verdict, {"run_id": Path(trace).stem, "world_size": int(meta["world_size"])}, {})
+    run_meta = {"run_id": Path(trace).stem, "world_size": int(meta["world_size"])}
+    report = build_report(RankFigures.of(mat, verdict), verdict, run_meta, {}).to_dict()
     for row in report["ranks"]:
         row["role"] = groups.get(row["rank"])
     layout = {k: meta.get(k) for k in ("dp_size", "pp_size", "tp_size", "dsp_size", "vpp_size", "world_size")}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..analysis import Analysis, analyze_run, build_report, empty_analysis
+from ..analysis import Analysis, RankFigures, analyze_run, build_report, empty_analysis
 from ..detect import detect, to_matrix
 from ..eventlog import RunDirError, RunDirWarning
 from ..promsource import frame_from_prometheus, unavailable_from_prometheus
@@ -132,5 +132,6 @@ class PrometheusSource(_Source):
         mat = to_matrix(frame)
         verdict = detect(mat)
         rank_meta = unavailable_from_prometheus(self.url, self.run)
-        report = build_report(mat, verdict, {"run_id": self.run, "world_size": len(mat.ranks)}, rank_meta)
+        run_meta = {"run_id": self.run, "world_size": len(mat.ranks)}
+        report = build_report(RankFigures.of(mat, verdict), verdict, run_meta, rank_meta).to_dict()
         return Analysis(report, mat, verdict), [], True

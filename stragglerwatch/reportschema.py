@@ -1,0 +1,164 @@
+"""The analysis report's typed schema (``stragglerwatch-report/1``): what ``analyze --format json``
+prints, the text and HTML renderers and the dashboard read. Field order is the JSON's key order.
+
+``Report.to_dict()`` is the JSON object (``run_dir``, ``events`` and ``attempts`` are there for a run
+dir, the ``log_*`` keys with ``--logs``; ``extra`` holds what an op-level trace adds), and
+``Report.from_dict()`` reads one back, so a program that consumes reports gets types, not keys.
+A change that removes or retypes a field raises the schema's version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+REPORT_SCHEMA = "stragglerwatch-report/1"
+
+
+@dataclass
+class ContextSignal:
+    """A host or GPU signal in which a straggler differed from its peers while it was slow."""
+
+    signal: str
+    value: float
+    peers: float  # the peers' median
+    text: str
+
+
+@dataclass
+class StragglerEntry:
+    rank: int
+    cause: str  # data, compute, optimizer or other
+    slowdown: float  # its busy time over its healthy peers'
+    first_step: int
+    last_step: int | None  # None while still slow at the end of the data
+    detected_step: int
+    lost_seconds: float | None
+    excess_ms: dict[str, float]  # per cause
+    episodes: list[list[int | None]]  # [first, last] of each flagged stretch
+    host: str | None = None
+    lost_gpu_seconds: float | None = None
+    time_span: list[float] | None = None  # Unix seconds, its first flagged step's start to its last's end
+    context: list[ContextSignal] = field(default_factory=list)
+
+
+@dataclass
+class RankRow:
+    """One rank's medians (ms) over the run, its slowdown over its peers and whether it was flagged."""
+
+    rank: int
+    host: str | None
+    role: str | None
+    steps: int
+    step_ms: float | None
+    busy_ms: float | None
+    comm_wait_ms: float | None
+    data_wait_ms: float | None
+    forward_ms: float | None
+    backward_ms: float | None
+    allreduce_wait_ms: float | None
+    collective_wait_ms: float | None
+    eval_ms: float | None
+    optimizer_ms: float | None
+    other_ms: float | None
+    slowdown: float | None
+    flagged: bool
+
+
+@dataclass
+class Unavailable:
+    reason: str
+    ranks: list[int]
+
+
+@dataclass
+class GroupEntry:
+    group: str
+    ranks: list[int]
+    slowdown: float
+
+
+@dataclass
+class Attempt:
+    restart: int
+    attach: int
+    first_step: int
+    last_step: int
+
+
+@dataclass
+class Events:
+    count: int
+    skipped_lines: int
+
+
+@dataclass
+class Report:
+    run_id: str | None
+    world_size: int | None
+    ranks_seen: int
+    steps: int
+    first_step: int | None
+    last_step: int | None
+    job_seconds: float | None
+    ideal_seconds: float | None
+    job_slowdown: float | None  # S = actual / ideal
+    lost_seconds: float | None
+    lost_gpu_seconds: float | None
+    communication_bound: bool | None
+    comm_fraction: float | None
+    stragglers: list[StragglerEntry]
+    busy_unavailable: list[Unavailable]
+    group_imbalance: list[GroupEntry]
+    hangs: list[dict[str, Any]]  # ``hangs.py``'s diagnoses
+    thresholds: dict[str, float | None]
+    ranks: list[RankRow]
+    run_dir: str | None = None
+    events: Events | None = None
+    attempts: list[Attempt] | None = None
+    log_events: list[dict[str, Any]] | None = None  # with --logs: PyTorch's own messages
+    first_failure: dict[str, Any] | None = None
+    log_lines: int | None = None
+    log_skipped_lines: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # an op-level trace's what-if
+    schema: str = REPORT_SCHEMA
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"schema": self.schema}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("schema", "extra") or (value is None and f.name in _OPTIONAL):
+                continue
+            out[f.name] = _plain(value)
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Report:
+        """A report read back (``analyze --format json``'s output); raises ``ValueError`` for another schema."""
+        if data.get("schema") != REPORT_SCHEMA:
+            raise ValueError(f"not a {REPORT_SCHEMA} report (schema {data.get('schema')!r})")
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in data.items() if k in known and k != "extra"}
+        kw["stragglers"] = [StragglerEntry(**{**s, "context": [ContextSignal(**c) for c in s.get("context", [])]})
+                            for s in data["stragglers"]]  # fmt: skip
+        kw["busy_unavailable"] = [Unavailable(**u) for u in data["busy_unavailable"]]
+        kw["group_imbalance"] = [GroupEntry(**g) for g in data["group_imbalance"]]
+        kw["ranks"] = [RankRow(**r) for r in data["ranks"]]
+        if data.get("events") is not None:
+            kw["events"] = Events(**data["events"])
+        if data.get("attempts") is not None:
+            kw["attempts"] = [Attempt(**a) for a in data["attempts"]]
+        return cls(**kw, extra={k: v for k, v in data.items() if k not in known})
+
+
+#: Keys the JSON has only when the analysis had their source.
+_OPTIONAL = {"run_dir", "events", "attempts", "log_events", "first_failure", "log_lines", "log_skipped_lines"}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)
+    return value

@@ -1,0 +1,101 @@
+"""``analyze --engine ray``: the same report as the local engine, on a real local Ray (2 CPUs).
+
+The run is cut into several rank blocks and step parts (the record limits are lowered for the
+test), and it has what real runs have: a restart, a rank with missing steps, peer groups, a
+straggler that ends and one that does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from stragglerwatch import consistency, rayengine
+from stragglerwatch.analysis import analyze_run
+from stragglerwatch.simulate import Injection, SimConfig, write_run
+
+ray = pytest.importorskip("ray", reason="the Ray engine's tests need ray (stragglerwatch[ray])")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def _run(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    cfg = SimConfig(ranks=24, steps=500, groups=2, seed=11,
+                    injections=[Injection(3, 0.15, 150, "data"), Injection(17, 0.25, 200, "compute", 380)])  # fmt: skip
+    write_run(run, cfg)
+    # a rank missing 40 steps, and a second attempt (torchrun restarted the job) of rank 5
+    t = pq.read_table(run / "rank-00009.parquet")
+    steps = t["step"].to_numpy()
+    pq.write_table(t.filter(pa.array((steps < 100) | (steps >= 140))), run / "rank-00009.parquet")
+    t = pq.read_table(run / "rank-00005.parquet").slice(0, 60)
+    restart = pa.array(np.ones(t.num_rows, dtype=np.int32))
+    pq.write_table(t.set_column(t.schema.get_field_index("restart"), t.schema.field("restart"), restart),
+                   run / "rank-00005.1.parquet")  # fmt: skip
+    return run
+
+
+def _report(analysis) -> dict:
+    report = json.loads(json.dumps(analysis.report))
+    report.pop("run_dir")
+    return report
+
+
+def test_ray_gives_the_local_report(tmp_path, cluster, monkeypatch):
+    monkeypatch.setattr(consistency, "BLOCK_RECORDS", 500 * 7)  # 4 rank blocks
+    monkeypatch.setattr(rayengine, "PART_RECORDS", 24 * 90)  # 7 step parts
+    run = _run(tmp_path)
+    assert len(consistency.rank_blocks(24, 560)) == 4
+    local = _report(analyze_run(run))
+    assert [(s["rank"], s["cause"]) for s in local["stragglers"]] == [(17, "compute"), (3, "data")]
+    assert len(local["attempts"]) == 2 and local["ranks"][9]["steps"] < local["ranks"][8]["steps"]
+    on_ray = _report(rayengine.analyze_on_ray(run, address=cluster))
+    assert on_ray == local
+
+
+def test_cli_engine_ray_at_an_address(tmp_path, cluster):
+    run = tmp_path / "run"
+    write_run(run, SimConfig(ranks=8, steps=300, seed=3, injections=[Injection(6, 0.2, 100, "data")]))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "stragglerwatch.cli", "analyze", str(run), "--format", "json"]
+    local = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    on_ray = subprocess.run([*cmd, "--engine", "ray", "--address", cluster], capture_output=True, text=True,
+                            timeout=300, env=env)  # fmt: skip
+    assert on_ray.returncode == 0, on_ray.stderr[-2000:]
+    assert json.loads(on_ray.stdout)["stragglers"] == json.loads(local.stdout)["stragglers"] != []
+    html = subprocess.run([*cmd[:-2], "--format", "html", "--engine", "ray"], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert html.returncode == 2 and html.stderr.count("\n") == 1 and "text or json" in html.stderr
+
+
+def test_unreachable_cluster_is_one_line_in_seconds(tmp_path):
+    run = tmp_path / "run"
+    write_run(run, SimConfig(ranks=4, steps=50, seed=1))
+    cmd = [sys.executable, "-m", "stragglerwatch.cli", "analyze", str(run), "--engine", "ray", "--address",
+           "127.0.0.1:9"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "cannot reach a Ray cluster at 127.0.0.1:9" in done.stderr
+
+
+def test_without_ray_the_engine_says_what_to_install(tmp_path):
+    run = tmp_path / "run"
+    write_run(run, SimConfig(ranks=4, steps=50, seed=1))
+    code = ("import sys; sys.modules['ray'] = None; from stragglerwatch.cli import main; "
+            f"sys.exit(main(['analyze', {str(run)!r}, '--engine', 'ray']))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert 'pip install "stragglerwatch[ray]"' in done.stderr

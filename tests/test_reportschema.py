@@ -1,0 +1,38 @@
+"""The report's typed schema: every report the analysis writes reads back into it and out again unchanged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stragglerwatch.analysis import analyze_run
+from stragglerwatch.reportschema import REPORT_SCHEMA, Report, StragglerEntry
+from stragglerwatch.simulate import Injection, SimConfig, write_run
+from stragglerwatch.traces import analyze_trace
+
+DATA = Path(__file__).parent / "data" / "whatif-traces"
+
+
+def test_a_run_report_round_trips_through_its_types(tmp_path):
+    cfg = SimConfig(ranks=16, steps=300, seed=4, injections=[Injection(9, 0.2, 80, "data")])
+    run = write_run(tmp_path / "run", cfg)
+    analysis = analyze_run(run)
+    text = json.loads(json.dumps(analysis.report))
+    typed = Report.from_dict(text)
+    assert typed == analysis.typed and typed.to_dict() == text and list(typed.to_dict()) == list(text)
+    assert isinstance(typed.stragglers[0], StragglerEntry) and typed.stragglers[0].rank == 9
+    assert typed.ranks[9].flagged and typed.attempts and typed.attempts[0].first_step == 0 and not typed.extra
+
+
+def test_a_trace_report_keeps_its_what_if_as_extra():
+    analysis = analyze_trace(DATA / "trace-ST.parquet", DATA / "meta-ST.yaml")
+    text = json.loads(json.dumps(analysis.report))
+    typed = Report.from_dict(text)
+    assert "attribution" in typed.extra and typed.to_dict() == text
+
+
+def test_another_schema_is_refused():
+    with pytest.raises(ValueError, match=REPORT_SCHEMA):
+        Report.from_dict({"schema": "stragglerwatch-report/0"})
