@@ -1,18 +1,16 @@
-"""Time a user waits for the dashboard on a large run (not a pytest test).
+"""Time a user waits for the dashboard on a large live run (not a pytest test).
 
-Two measurements, 1,024 ranks x 2,000 steps by default (two stragglers, a stall event):
+1. ``end-to-end`` (a live run): a simulated run of 1,024 ranks is written as a job writes it, one
+   Arrow stream per rank, ``--first`` steps and then a flush of ``--flush-steps`` more steps to
+   every rank at a time, up to ``--steps`` (2,000 to 10,000 by default). The dashboard's run-dir
+   source follows it on its own thread, polling every ``--poll`` s. For every flush the path a
+   user waits for is timed: from the flush on disk until the source holds the updated analysis,
+   then the refresh callback's figures and table serialised to the JSON Dash sends. Prints the
+   median and worst per 1,000 steps. When the run stops growing, checks that the source settles on
+   the report ``analyze`` gives.
+2. ``render`` only: the refresh callback's work on a prepared snapshot of ``--steps`` steps.
 
-1. ``end-to-end`` (what a live run costs): a simulated run dir is written in the real
-   event-log format; then, ``--repeat`` times, one rank's log gets a new flush (a stream
-   segment of 10 steps, as a running job writes), and the path a user waits for is timed:
-   the run-dir source notices the change and reloads and re-analyses the run, then the
-   refresh callback renders every figure and the table and serialises them to the JSON Dash
-   sends. Prints each stage's median and the total; the source's polling interval and the
-   browser's refresh interval add up to their lengths on top (printed too).
-2. ``render`` only: the refresh callback's work on a prepared snapshot (the part a browser
-   refresh costs when the data did not change).
-
-    python benchmarks/dashboard_speed.py [--ranks 1024 --steps 2000 --repeat 5]
+    python benchmarks/dashboard_speed.py [--ranks 1024 --first 2000 --steps 10000 --flush-steps 10]
 """
 
 from __future__ import annotations
@@ -27,14 +25,12 @@ from pathlib import Path
 import plotly.io as pio
 from plotly.utils import PlotlyJSONEncoder
 
-from stragglerwatch.analysis import Analysis, RankFigures, build_report
+from stragglerwatch.analysis import Analysis, RankFigures, analyze_run, build_report
 from stragglerwatch.dashboard import Snapshot
 from stragglerwatch.dashboard.app import render
 from stragglerwatch.dashboard.sources import RunDirSource
 from stragglerwatch.detect import detect, to_matrix
-from stragglerwatch.eventlog import EventLogWriter, log_path
-from stragglerwatch.simulate import Injection, SimConfig, to_frame, write_run
-from stragglerwatch.timing import StepMarks
+from stragglerwatch.simulate import GrowingRun, Injection, SimConfig, to_frame
 
 
 def to_json(out: dict) -> int:
@@ -44,65 +40,62 @@ def to_json(out: dict) -> int:
     return sum(len(x) for x in payload)
 
 
-def new_flush(run_dir: Path, rank: int, first_step: int, n: int = 10) -> None:
-    """What a running rank does every flush interval: n more steps in its log stream."""
-    writer = EventLogWriter(
-        log_path(run_dir, rank), rank, wall_anchor=2e9, flush_interval_s=3600, attach=1 + first_step
-    )
-    t = 0.0
-    for step in range(n):
-        m = StepMarks(step, t, t)
-        m.fwd_start, m.fwd_end, m.bwd_start, m.bwd_end = [t], [t + 0.03], [t + 0.03], [t + 0.09]
-        m.opt = [[t + 0.09, t + 0.095]]
-        m.end = t = t + 0.1
-        writer.submit(m)
-    writer.flush()  # flushed, not closed: the stream stays as a live run leaves it (its thread sleeps on)
-
-
-def end_to_end(cfg: SimConfig, repeat: int) -> None:
+def end_to_end(cfg: SimConfig, first: int, flush_steps: int, poll_s: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        t0 = time.perf_counter()
-        write_run(run, cfg)
-        print(f"end-to-end: wrote {cfg.ranks} ranks x {cfg.steps} steps in {time.perf_counter() - t0:.1f} s")
-        source = RunDirSource(run, interval_s=2.0)
-        source.refresh()
-        stages: dict[str, list[float]] = {"reload and analysis": [], "render": [], "JSON": [], "total": []}
-        size = 0
-        for i in range(repeat):
-            new_flush(run, rank=i % cfg.ranks, first_step=i)
-            t0 = time.perf_counter()
+        grower = GrowingRun(run, cfg)
+        grower.flush(first)
+        source = RunDirSource(run, interval_s=poll_s).start()  # its thread polls, as in the dashboard
+        print(f"end-to-end: {cfg.ranks} ranks, {first} steps written; a flush of {flush_steps} steps to every "
+              f"rank's stream at a time up to {cfg.steps}; the source polls every {poll_s} s")  # fmt: skip
+        window: dict[str, list[float]] = {"source": [], "render + JSON": [], "total": []}
+        worst, size = 0.0, 0
+        for upto in range(first + flush_steps, cfg.steps + 1, flush_steps):
             before = source.snapshot().version
-            source.refresh()  # what the source thread does at its next tick
-            snap = source.snapshot()
-            if snap.version == before or snap.error:
-                raise SystemExit(f"end-to-end: the source did not pick up the new flush ({snap.error})")
+            grower.flush(upto)
+            t0 = time.perf_counter()
+            while source.snapshot().version == before:  # the page's refresh sees the new snapshot
+                if time.perf_counter() - t0 > 60:
+                    raise SystemExit(f"end-to-end: the source did not pick up the flush ({source.snapshot().error})")
+                time.sleep(0.005)
             t1 = time.perf_counter()
-            out = render(snap, None)
+            size = to_json(render(source.snapshot(), None))
             t2 = time.perf_counter()
-            size = to_json(out)
-            t3 = time.perf_counter()
-            for name, dt in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t3 - t0), strict=True):
-                stages[name].append(dt)
-        parts = ", ".join(f"{k} {statistics.median(v):.2f} s" for k, v in stages.items())
-        worst = max(stages["total"])
-        print(f"end-to-end: new flush on disk -> figures' JSON, median of {repeat}: {parts} "
-              f"(worst total {worst:.2f} s); payload {size / 1e6:.2f} MB")  # fmt: skip
-        print(f"end-to-end: plus up to {source.interval_s:.0f} s until the source's next poll and up to 3 s until "
-              f"the page's next refresh (their intervals)")  # fmt: skip
+            for name, dt in zip(window, (t1 - t0, t2 - t1, t2 - t0), strict=True):
+                window[name].append(dt)
+            worst = max(worst, t2 - t0)
+            if upto % 1000 == 0 or upto == cfg.steps:
+                parts = ", ".join(f"{k} {statistics.median(v):.2f}/{max(v):.2f} s" for k, v in window.items())
+                print(f"  steps {upto - 999 if upto >= 1000 else 0}-{upto}: median/worst {parts}", flush=True)
+                window = {k: [] for k in window}
+        grower.close()
+        t0 = time.perf_counter()
+        while not source.live.exact and time.perf_counter() - t0 < 120:
+            time.sleep(0.05)
+        settled = time.perf_counter() - t0
+        report = json.loads(json.dumps(source.snapshot().analysis.report))
+        source.stop()
+        same = report == json.loads(json.dumps(analyze_run(run).report))
+        print(f"end-to-end: worst {worst:.2f} s; payload {size / 1e6:.2f} MB; plus up to the page's refresh "
+              f"period (the dashboard's default: 0.5 s) until the browser asks")  # fmt: skip
+        print(f"end-to-end: the run stopped growing; settled on the exact analysis in {settled:.1f} s; the same "
+              f"report as analyze: {same}")  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=10_000, help="steps at the end (end-to-end) or of the snapshot")
+    p.add_argument("--first", type=int, default=2000, help="end-to-end: steps written before the dashboard starts")
+    p.add_argument("--flush-steps", type=int, default=10, help="end-to-end: steps a flush adds to every rank")
+    p.add_argument("--poll", type=float, default=0.25, help="end-to-end: the source's polling period (s)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--part", choices=("end-to-end", "render", "both"), default="both")
     args = p.parse_args()
-    cfg = SimConfig(args.ranks, args.steps, injections=[Injection(17, 0.2, 500), Injection(900 % args.ranks, 0.1,
-                                                                                          1200, "data")])  # fmt: skip
+    slow = [Injection(17, 0.2, args.steps // 4), Injection(900 % args.ranks, 0.1, args.steps // 2, "data")]
+    cfg = SimConfig(args.ranks, args.steps, injections=slow)
     if args.part in ("end-to-end", "both"):
-        end_to_end(cfg, args.repeat)
+        end_to_end(cfg, args.first, args.flush_steps, args.poll)
     if args.part == "end-to-end":
         return
     t0 = time.perf_counter()

@@ -4,6 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 echo "test: ruff"
-.venv/bin/ruff check stragglerwatch tests examples benchmarks
+.venv/bin/ruff check stragglerwatch tests examples benchmarks dashboard
 echo "test: pytest"
 .venv/bin/python -m pytest "$@"

@@ -182,7 +182,7 @@ def analyze_run(
     rank_meta = read_rank_meta(path)
     roles = {r: m["role"] for r, m in rank_meta.items() if m.get("role") is not None}
     verdict = detect(mat, config, groups=roles or None)
-    return finish(path, RankFigures.of(mat, verdict), verdict, rank_meta, times, _last_steps(mat), plan,
+    return finish(path, RankFigures.of(mat, verdict), verdict, rank_meta, times, last_steps(mat), plan,
                   Analysis(None, mat, verdict))  # type: ignore[arg-type]  # fmt: skip
 
 
@@ -195,11 +195,13 @@ def finish(
     last: dict[int, int],
     plan: runmatrix.StepPlan,
     analysis: Analysis,
+    context: pd.DataFrame | None = None,
 ) -> Analysis:
-    """The report of a detected run (every engine): context, hangs, events, attempts."""
+    """The report of a detected run (every engine): context (``context``, or the run dir's),
+    hangs, events, attempts."""
     run_meta = read_run_meta(path)
     world_size(path, run_meta, set(plan.ranks.tolist()))  # warns of ranks that recorded nothing
-    context = load_context(path)
+    context = load_context(path) if context is None else context
     report = build_report(figures, verdict, run_meta, rank_meta, context if len(context) else None, times)
     report.run_dir = str(path)
     events, bad = read_events(path)
@@ -250,7 +252,7 @@ def add_pytorch_logs(report: dict[str, Any], parsed: LogParse) -> None:
     report["log_skipped_lines"] = parsed.skipped
 
 
-def _last_steps(mat: StepMatrix) -> dict[int, int]:
+def last_steps(mat: StepMatrix) -> dict[int, int]:
     """The last step each rank recorded."""
     rows = last_rows(mat.values["busy_s"])
     return {int(r): int(mat.steps[i]) for r, i in zip(mat.ranks.tolist(), rows.tolist(), strict=True) if i >= 0}

@@ -207,7 +207,7 @@ def _add_dashboard(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run", metavar="RUN_ID", help="the run id (the `run` label) to show from Prometheus")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8050, help="port (default 8050)")
-    p.add_argument("--refresh-ms", type=int, default=3000, help="browser refresh period (default 3000)")
+    p.add_argument("--refresh-ms", type=int, default=500, help="browser refresh period (default 500)")
     p.set_defaults(func=run_dashboard)
 
     d = sub.add_parser(

@@ -249,58 +249,95 @@ def _baselines(state: BlockState, sc: Scalars, cfg: DetectConfig, lo: int, hi: i
     return trailing * weight, 1.5 * np.sqrt(weight) * se_base, level_bars(state.counted[lo:hi], sc, cfg)
 
 
+@dataclass
+class Carry:
+    """The consistency rule's state per rank between one step and the next (round 3)."""
+
+    cusum: np.ndarray  # the two CUSUMs
+    run_n: np.ndarray  # steps since the CUSUM last left zero, and their (capped) excess
+    run_sum: np.ndarray
+    base: np.ndarray  # the baseline in use, and its margin
+    unsure: np.ndarray
+    on: np.ndarray  # flagged now
+    run_on: np.ndarray  # steps in a row that were slow / back
+    run_off: np.ndarray
+
+    @classmethod
+    def fresh(cls, n_ranks: int) -> Carry:
+        z = np.zeros(n_ranks)
+        i = np.zeros(n_ranks, dtype=np.int32)
+        return cls(np.zeros((2, n_ranks)), z.copy(), z.copy(), np.full(n_ranks, np.nan), z.copy(),
+                   np.zeros(n_ranks, dtype=bool), i.copy(), i.copy())  # fmt: skip
+
+    def copy(self) -> Carry:
+        return Carry(*(getattr(self, f).copy() for f in self.__dataclass_fields__))
+
+
 def round3(state: BlockState, sc: Scalars, cfg: DetectConfig) -> np.ndarray:
     """Steps x ranks bool flags of one block."""
+    return advance(state, sc, cfg, Carry.fresh(state.e.shape[1]), 0, len(state.e))
+
+
+def advance(
+    state: BlockState,
+    sc: Scalars,
+    cfg: DetectConfig,
+    carry: Carry,
+    start: int,
+    stop: int,
+    checkpoints: dict[int, Carry] | None = None,
+    every: int = 256,
+) -> np.ndarray:
+    """Flags of steps ``start:stop`` from ``carry`` (the state after step ``start - 1``, updated in
+    place); with ``checkpoints``, a copy of the state before each step that is a multiple of
+    ``every`` (where a followed run resumes from)."""
     e, costly, med, level = state.e, state.costly, state.med, state.level
-    n_steps, n_ranks = e.shape
+    n_ranks = e.shape[1]
     delta, w = cfg.min_slowdown, cfg.window
     _, ks, hs = alarm_levels(sc, cfg)
     cap, skew = sc.cap(cfg), sc.skew
     # the short median must be clearly above the baseline: half the smallest change, or two of its
     # standard errors where noise makes that larger
     persist = max(delta / 2.0, 2.0 * 1.2533 * sc.noise / np.sqrt(w))
-    out = np.zeros((n_steps, n_ranks), dtype=bool)
-    cusum = np.zeros((len(ks), n_ranks))
-    run_n = np.zeros(n_ranks)  # steps since the CUSUM last left zero, and their (capped) excess
-    run_sum = np.zeros(n_ranks)
-    base = np.full(n_ranks, np.nan)
-    unsure = np.zeros(n_ranks)  # the margin of the baseline in use
-    on = np.zeros(n_ranks, dtype=bool)
-    run_on = np.zeros(n_ranks, dtype=np.int32)
-    run_off = np.zeros(n_ranks, dtype=np.int32)
-    for s in range(n_steps):
-        if s % _CHUNK == 0:
-            trailing, margin, bars = _baselines(state, sc, cfg, s, min(s + _CHUNK, n_steps))
-        frozen = on | (cusum[0] > hs[0] / 2)
-        fresh = ~(frozen & np.isfinite(base))
-        base = np.where(fresh, trailing[s % _CHUNK], base)
-        unsure = np.where(fresh, margin[s % _CHUNK], unsure)
-        score = np.clip(e[s] - base, -cap, cap) - skew
+    out = np.zeros((max(0, stop - start), n_ranks), dtype=bool)
+    c = carry
+    lo = start
+    for s in range(start, stop):
+        if checkpoints is not None and s % every == 0:
+            checkpoints[s] = c.copy()
+        if s == start or s % _CHUNK == 0:
+            lo = s
+            trailing, margin, bars = _baselines(state, sc, cfg, s, min((s // _CHUNK + 1) * _CHUNK, stop))
+        frozen = c.on | (c.cusum[0] > hs[0] / 2)
+        fresh = ~(frozen & np.isfinite(c.base))
+        c.base = np.where(fresh, trailing[s - lo], c.base)
+        c.unsure = np.where(fresh, margin[s - lo], c.unsure)
+        score = np.clip(e[s] - c.base, -cap, cap) - skew
         seen = np.isfinite(score)
         alarm = np.zeros(n_ranks, dtype=bool)
         for i, (k, hi) in enumerate(zip(ks, hs, strict=True)):
-            cusum[i] = np.where(seen, np.maximum(0.0, cusum[i] + (score - k - unsure)), cusum[i])
-            alarm |= cusum[i] >= hi
-        restart = seen & (cusum[0] == 0.0)
-        run_n = np.where(restart, 0.0, run_n + seen)
-        run_sum = np.where(restart, 0.0, run_sum + np.where(seen, score, 0.0))
-        m, lev, lev_bar = med[s], level[s], bars[s % _CHUNK]
+            c.cusum[i] = np.where(seen, np.maximum(0.0, c.cusum[i] + (score - k - c.unsure)), c.cusum[i])
+            alarm |= c.cusum[i] >= hi
+        restart = seen & (c.cusum[0] == 0.0)
+        c.run_n = np.where(restart, 0.0, c.run_n + seen)
+        c.run_sum = np.where(restart, 0.0, c.run_sum + np.where(seen, score, 0.0))
+        m, lev, lev_bar = med[s], level[s], bars[s - lo]
         level_off = (cfg.tolerance + lev_bar) / 2.0  # below it, a level flag clears (hysteresis)
         with np.errstate(invalid="ignore", divide="ignore"):
             # the change's size: its mean since the CUSUM rose (the maximum-likelihood estimate), and
             # the median of the last ``window`` steps (persistence: most recent steps are slow)
-            size = run_sum / run_n
-            change = alarm & (size >= 0.75 * delta) & (m - base >= persist) & (m >= delta / 2)
+            size = c.run_sum / c.run_n
+            change = alarm & (size >= 0.75 * delta) & (m - c.base >= persist) & (m >= delta / 2)
             slow = (change | (lev >= lev_bar)) & costly[s]
-            near = (m - base < delta * cfg.off_ratio) | (m < delta * cfg.off_ratio)
-            back = np.where(np.isfinite(base), near, m < level_off) & ~(lev >= level_off)
+            near = (m - c.base < delta * cfg.off_ratio) | (m < delta * cfg.off_ratio)
+            back = np.where(np.isfinite(c.base), near, m < level_off) & ~(lev >= level_off)
         gap = np.isnan(m)  # too few steps in the window (a rank missing rows): no evidence either way
-        run_on = np.where(gap, run_on, np.where(slow, run_on + 1, 0))
-        run_off = np.where(gap, run_off, np.where(back, run_off + 1, 0))
-        cleared = on & (run_off >= cfg.confirm)
-        on = (on & ~cleared) | (~on & (run_on >= cfg.confirm))
-        cusum[:, cleared] = 0.0
-        out[s] = on
+        c.run_on = np.where(gap, c.run_on, np.where(slow, c.run_on + 1, 0))
+        c.run_off = np.where(gap, c.run_off, np.where(back, c.run_off + 1, 0))
+        cleared = c.on & (c.run_off >= cfg.confirm)
+        c.on = (c.on & ~cleared) | (~c.on & (c.run_on >= cfg.confirm))
+        c.cusum[:, cleared] = 0.0
+        out[s - start] = c.on
     return out
 
 

@@ -24,7 +24,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 class DashboardServer:
     """The Dash app of ``source`` served on ``host:port`` from a background thread."""
 
-    def __init__(self, source: Any, host: str = "127.0.0.1", port: int = 8050, refresh_ms: int = 3000):
+    def __init__(self, source: Any, host: str = "127.0.0.1", port: int = 8050, refresh_ms: int = 500):
         from werkzeug.serving import make_server  # dash's; imported here so the command line loads without it
 
         from .dashboard import create_app
@@ -108,7 +108,7 @@ def run_demo(args: Any) -> int:
     args.run_dir = Path(args.run_dir or f"stragglerwatch-runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     args.run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        server = DashboardServer(RunDirSource(args.run_dir, interval_s=1.0), args.host, args.port, 2000).start()
+        server = DashboardServer(RunDirSource(args.run_dir), args.host, args.port).start()
     except OSError as exc:
         print(f"stragglerwatch: error: cannot serve the dashboard on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2

@@ -361,7 +361,12 @@ def log_columns(columns: Sequence[str] | None) -> list[str]:
 def read_log(f: Path, names: list[str], warn: Callable[[str], None] = _warn) -> pa.Table | None:
     """One step log's readable records with the columns ``names`` (validated, upgraded to this
     schema, damaged ranks dropped), or None; every problem is one ``warn`` line."""
-    table = _read_log(f, names)
+    return conform(_read_log(f, names), names, f, warn)
+
+
+def conform(table: pa.Table | None, names: list[str], f: Path, warn: Callable[[str], None] = _warn) -> pa.Table | None:
+    """A table read from the step log ``f`` with the columns ``names`` of this schema (upgraded, cast,
+    damaged ranks dropped), or None when it has no record it can give."""
     if table is None or not table.num_rows:
         return None
     schema = pa.schema([STEP_SCHEMA.field(n) for n in names])

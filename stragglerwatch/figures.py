@@ -4,7 +4,6 @@ no figure carries more than ``MAX_CELLS`` heatmap cells or ``MAX_POINTS`` points
 
 from __future__ import annotations
 
-import warnings
 from datetime import datetime, timezone
 
 import numpy as np
@@ -46,6 +45,25 @@ def _reduce(a: np.ndarray, starts: np.ndarray, axis: int, how: str) -> np.ndarra
         return sums / np.where(counts == 0, np.nan, counts)
 
 
+def _nanquantiles(a: np.ndarray, qs: tuple[float, ...]) -> list[np.ndarray]:
+    """Per row, each quantile of the finite values (linear between order statistics, as numpy's
+    default); NaN for a row with none. One sort for all of them, no per-row loop."""
+    if not a.shape[1]:
+        return [np.full(a.shape[0], np.nan) for _ in qs]
+    ordered = np.sort(a, axis=1)  # NaNs last
+    n = np.sum(~np.isnan(a), axis=1)
+    rows = np.arange(a.shape[0])
+    out = []
+    for q in qs:
+        pos = q * np.maximum(n - 1, 0)
+        lo = np.floor(pos).astype(np.int64)
+        hi = np.minimum(lo + 1, np.maximum(n - 1, 0))
+        frac = pos - lo
+        value = ordered[rows, lo] + frac * (ordered[rows, hi] - ordered[rows, lo])
+        out.append(np.where(n > 0, value, np.nan))
+    return out
+
+
 def heatmap(mat: StepMatrix, verdict: Verdict) -> go.Figure:
     """Rank x step slowdown vs peers (busy / reference). Steps binned by mean, ranks by max
     (a single slow rank in a bin of ranks stays visible)."""
@@ -70,17 +88,22 @@ def heatmap(mat: StepMatrix, verdict: Verdict) -> go.Figure:
     return fig
 
 
-def breakdown(mat: StepMatrix, verdict: Verdict) -> go.Figure:
-    """Per-rank stacked median phase times; at most ``MAX_BARS`` ranks (flagged and busiest)."""
-    busy = nanmedian(mat.values["busy_s"], axis=0)
+def breakdown(mat: StepMatrix, verdict: Verdict, rows: list[dict] | None = None) -> go.Figure:
+    """Per-rank stacked median phase times; at most ``MAX_BARS`` ranks (flagged and busiest).
+    ``rows``: the report's ``ranks`` rows, whose medians are used instead of computed again."""
+    if rows is not None and len(rows) == len(mat.ranks):
+        medians = {c: np.array([np.nan if r[c[:-2] + "_ms"] is None else r[c[:-2] + "_ms"] for r in rows])
+                   for c in ("busy_s", *(p[0] for p in PHASES))}  # fmt: skip
+    else:
+        medians = {c: nanmedian(mat.values[c], axis=0) * 1000.0 for c in ("busy_s", *(p[0] for p in PHASES))}
+    busy = medians["busy_s"]
     flagged = {s.rank for s in verdict.stragglers}
-    order = sorted(range(len(mat.ranks)), key=lambda j: (mat.ranks[j] not in flagged, -busy[j]))
+    order = sorted(range(len(mat.ranks)), key=lambda j: (mat.ranks[j] not in flagged, -np.nan_to_num(busy[j])))
     keep = sorted(order[:MAX_BARS], key=lambda j: mat.ranks[j])
     x = [f"{'*' if mat.ranks[j] in flagged else ''}{mat.ranks[j]}" for j in keep]
     fig = go.Figure()
     for col, name, color in PHASES:
-        ms = nanmedian(mat.values[col][:, keep], axis=0) * 1000.0
-        fig.add_bar(x=x, y=ms, name=name, marker_color=color)
+        fig.add_bar(x=x, y=medians[col][keep], name=name, marker_color=color)
     title = "Median step anatomy per rank (ms)"
     if len(keep) < len(mat.ranks):
         title += f" — {len(keep)} of {len(mat.ranks)} ranks: flagged and busiest"
@@ -100,10 +123,8 @@ def busy_band(mat: StepMatrix, verdict: Verdict, ranks: list[int] | None = None)
         healthy[:, cols] = np.nan
     sb = _bins(busy.shape[0], MAX_POINTS)
     x = mat.steps[sb] if len(sb) else mat.steps
-    with warnings.catch_warnings():  # steps where every peer is flagged or missing have no band
-        warnings.simplefilter("ignore", RuntimeWarning)
-        lo, med, hi = (np.nanpercentile(healthy, q, axis=1) for q in (10, 50, 90))
-    lo, med, hi = (_reduce(v[:, None], sb, 0, "mean")[:, 0] for v in (lo, med, hi))
+    # the peers' band of their busy time over each bin of steps (a step when there are few)
+    lo, med, hi = _nanquantiles(_reduce(healthy, sb, 0, "mean") if len(sb) else healthy, (0.1, 0.5, 0.9))
     fig = go.Figure()
     fig.add_scatter(x=x, y=hi, line={"width": 0}, showlegend=False, hoverinfo="skip")
     fig.add_scatter(x=x, y=lo, fill="tonexty", fillcolor="rgba(31,119,180,0.2)", line={"width": 0},

@@ -88,7 +88,7 @@ def render_html(analysis: Analysis) -> str:
     if report["group_imbalance"]:
         parts.append("<h2>Group imbalance</h2>")
         parts.append(_table(report["group_imbalance"], [("group", "group"), ("slowdown", "busy vs other groups")]))
-    figs = [figures.heatmap(mat, verdict), figures.breakdown(mat, verdict)]
+    figs = [figures.heatmap(mat, verdict), figures.breakdown(mat, verdict, report["ranks"])]
     if report["stragglers"]:
         figs.append(figures.busy_band(mat, verdict))
         if analysis.context is not None:

@@ -15,7 +15,7 @@ exposed wait is ``step - busy`` — the same arithmetic as a real run.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -236,7 +236,8 @@ def _job_steps(cfg: SimConfig, blocks: dict[int, int]) -> JobSteps:
     return job
 
 
-def _rank_table(arrays: dict[str, np.ndarray], rank: int, column: int, start_time: np.ndarray) -> pa.Table:
+def rank_table(arrays: dict[str, np.ndarray], rank: int, column: int, start_time: np.ndarray) -> pa.Table:
+    """Rank ``rank``'s step log (a ``STEP_SCHEMA`` table) from column ``column`` of simulated arrays."""
     n = len(start_time)
     empty_lists = {
         name: pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, dtype=np.int32)), pa.array([], type=typ.value_type))
@@ -283,7 +284,42 @@ def write_run(out_dir: str | Path, cfg: SimConfig, progress: Callable[[int, int]
         if cfg.groups > 1:
             meta["role"] = f"group{rank * cfg.groups // cfg.ranks}"
         write_json_atomic(out / f"rank-{rank:05d}.json", {**meta, "device": "sim", "timing": "host"})
-        pq.write_table(_rank_table(arrays, rank, column, start_time), out / f"rank-{rank:05d}.parquet")  # type: ignore[arg-type]
+        pq.write_table(rank_table(arrays, rank, column, start_time), out / f"rank-{rank:05d}.parquet")  # type: ignore[arg-type]
         if progress:
             progress(rank + 1, cfg.ranks)
     return out
+
+
+class GrowingRun:
+    """A simulated run written as a live job writes it, for following it (tests, benchmarks): one
+    Arrow stream per rank (``rank-NNNNN.arrows``), grown by :meth:`flush` and compacted into Parquet
+    by :meth:`close`, as each rank's log does."""
+
+    def __init__(self, out_dir: str | Path, cfg: SimConfig):
+        self.out = Path(out_dir)
+        write_run(self.out, replace(cfg, steps=1, injections=[]))  # run.json and the ranks' metadata
+        for p in self.out.glob("rank-*.parquet"):
+            p.unlink()
+        arrays = simulate_arrays(cfg)
+        step = arrays["step_s"][:, 0]
+        start = time.time() + np.concatenate(([0.0], np.cumsum(step[:-1])))
+        self.tables = [rank_table(arrays, r, r, start) for r in range(cfg.ranks)]
+        self.sinks = [pa.OSFile(str(self.out / f"rank-{r:05d}.arrows"), "wb") for r in range(cfg.ranks)]
+        self.writers = [pa.ipc.new_stream(s, STEP_SCHEMA) for s in self.sinks]
+        self.written = [0] * cfg.ranks  # steps on disk, per rank
+
+    def flush(self, upto: int, ranks: Iterable[int] | None = None) -> None:
+        """Each of ``ranks`` (default: all) writes its steps up to ``upto`` (exclusive) in one batch."""
+        for r in range(len(self.tables)) if ranks is None else ranks:
+            if upto > self.written[r]:
+                self.writers[r].write_table(self.tables[r].slice(self.written[r], upto - self.written[r]))
+                self.sinks[r].flush()
+                self.written[r] = upto
+
+    def close(self) -> None:
+        """The end of the job: each stream closed and compacted into ``rank-NNNNN.parquet``."""
+        for r, (writer, sink) in enumerate(zip(self.writers, self.sinks, strict=True)):
+            writer.close()
+            sink.close()
+            pq.write_table(self.tables[r].slice(0, self.written[r]), self.out / f"rank-{r:05d}.parquet")
+            (self.out / f"rank-{r:05d}.arrows").unlink()

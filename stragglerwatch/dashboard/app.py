@@ -4,12 +4,16 @@ Design: ``render(snapshot, rank)`` is a pure function from a snapshot to every
 component's content (the callback only calls it), so it is tested and
 benchmarked without a browser. Figures carry a ``uirevision`` that stays the
 same for a run, so a refresh keeps the user's zoom; the rank selection is a
-component value, which a refresh never resets.
+component value, which a refresh never resets. A service of many runs passes a
+function instead of a source: the page's URL names the run (``?run=NAME``) and
+the function gives its source or refuses it (:class:`RunRefused`, one line).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+from urllib.parse import parse_qs, quote
 
 from dash import Dash, Input, Output, State, dash_table, dcc, html, no_update
 
@@ -29,6 +33,10 @@ EVENTS = "sw-events"
 TABLE = "sw-table"
 TICK = "sw-tick"
 SEEN = "sw-seen"
+URL = "sw-url"
+HEADING = "sw-heading"
+RUNS = "sw-runs"
+LISTED = "sw-listed"
 
 TABLE_COLUMNS = [
     ("rank", "rank"), ("host", "host"), ("steps", "steps"), ("step_ms", "step ms"), ("busy_ms", "busy ms"),
@@ -40,6 +48,33 @@ OK_STYLE = {"background": "#eef7ee", "borderLeft": "6px solid #2ca02c", "padding
 ALERT_STYLE = {"background": "#fdecea", "borderLeft": "6px solid #d62728", "padding": "8px 14px"}
 WAIT_STYLE = {"background": "#f3f3f3", "borderLeft": "6px solid #999", "padding": "8px 14px"}
 CAUTION_STYLE = {"background": "#fff4e5", "borderLeft": "6px solid #ff7f0e", "padding": "8px 14px"}
+
+
+class RunRefused(Exception):
+    """A run a page asks for and cannot be shown: a one-line reason and its HTTP status."""
+
+    def __init__(self, message: str, status: int = 404):
+        super().__init__(message)
+        self.status = status
+
+
+def url_run(search: str | None) -> str | None:
+    """The run a page's query string names (``?run=NAME``); None when it names none."""
+    names = parse_qs((search or "").lstrip("?"), keep_blank_values=True).get("run", [])
+    if len(names) > 1:
+        raise RunRefused("name one run (?run=NAME), not several", 400)
+    return names[0] if names else None
+
+
+def run_links(names: list[str], current: str | None) -> list[Any]:
+    """The run picker: a link to each run's page, the current one in bold (nothing for a single run)."""
+    if not names:
+        return []
+    links: list[Any] = [html.Span(f"{len(names)} run{'s' if len(names) != 1 else ''}: ")]
+    for name in names:
+        link = html.A(name, href=f"?run={quote(name, safe='')}", style={"marginRight": "12px"})
+        links.append(html.B(link) if name == current else link)
+    return links
 
 
 def default_rank(snapshot: Snapshot) -> int | None:
@@ -77,7 +112,7 @@ def render(snapshot: Snapshot, rank: int | None) -> dict[str, Any]:
         heat = breakdown = band = context = blank
     else:
         heat = figures.heatmap(mat, verdict)
-        breakdown = figures.breakdown(mat, verdict)
+        breakdown = figures.breakdown(mat, verdict, snapshot.analysis.report["ranks"])
         chosen = rank if rank is not None and rank in set(mat.ranks.tolist()) else default_rank(snapshot)
         band = figures.busy_band(mat, verdict, [chosen] if chosen is not None else [])
         spans = [tuple(s["time_span"]) for s in report["stragglers"] if s["rank"] == chosen and s.get("time_span")]
@@ -94,14 +129,23 @@ def render(snapshot: Snapshot, rank: int | None) -> dict[str, Any]:
             "rows": rows, "options": options}  # fmt: skip
 
 
-def create_app(source: Any, refresh_ms: int = 3000, title: str = "stragglerwatch") -> Dash:
-    """The dashboard over ``source`` (a started :class:`RunDirSource` or :class:`PrometheusSource`)."""
+def create_app(source: Any, refresh_ms: int = 500, title: str = "stragglerwatch",
+               runs: Callable[[], list[str]] | None = None) -> Dash:  # fmt: skip
+    """The dashboard over ``source``: a started :class:`RunDirSource` or :class:`PrometheusSource`, or a
+    function from the run the page's URL names (None: it names none) to a started source, raising
+    :class:`RunRefused` for a run it will not show. ``runs``: the run picker's names (None: no picker)."""
+    pick: Callable[[str | None], Any] = (lambda run: source) if hasattr(source, "snapshot") else source
+    fixed = source.label if hasattr(source, "snapshot") else ""
     app = Dash(__name__, title=title, update_title=None)
     graph = {"config": {"displaylogo": False}, "style": {"height": "420px"}}
     app.layout = html.Div(
         style={"fontFamily": "system-ui, sans-serif", "margin": "12px 24px"},
         children=[
-            html.H2(f"stragglerwatch: {source.label}", style={"marginBottom": "6px"}),
+            dcc.Location(id=URL, refresh=False),
+            html.H2(
+                f"stragglerwatch: {fixed}" if fixed else "stragglerwatch", id=HEADING, style={"marginBottom": "6px"}
+            ),  # fmt: skip
+            html.Div(id=RUNS, style={"marginBottom": "6px", "display": "block" if runs else "none"}),
             html.Div(id=STATUS, style={"color": "#666", "fontSize": "13px", "marginBottom": "6px"}),
             html.Div(id=BANNER, style=WAIT_STYLE),
             dcc.Graph(id=HEATMAP, **graph),
@@ -128,31 +172,60 @@ def create_app(source: Any, refresh_ms: int = 3000, title: str = "stragglerwatch
             ),  # fmt: skip
             dcc.Interval(id=TICK, interval=refresh_ms),
             dcc.Store(id=SEEN),
+            dcc.Store(id=LISTED),
         ],
     )
 
     @app.callback(
-        Output(BANNER, "children"), Output(BANNER, "style"), Output(STATUS, "children"),
+        Output(BANNER, "children"), Output(BANNER, "style"), Output(STATUS, "children"), Output(HEADING, "children"),
         Output(HEATMAP, "figure"), Output(BREAKDOWN, "figure"), Output(BAND, "figure"), Output(CONTEXT, "figure"),
         Output(EVENTS, "figure"),
         Output(TABLE, "data"), Output(RANK, "options"), Output(RANK, "value"), Output(SEEN, "data"),
-        Input(TICK, "n_intervals"), Input(RANK, "value"), State(SEEN, "data"),
+        Input(TICK, "n_intervals"), Input(RANK, "value"), Input(URL, "search"), State(SEEN, "data"),
     )  # fmt: skip
-    def refresh(_: Any, rank: int | None, seen: dict | None) -> tuple:
-        snap = source.snapshot()
-        key = {"version": snap.version, "rank": rank, "error": snap.error}
-        status = f"source {source.label}; refreshed {_ago(snap.refreshed_at)}; {snap.analysis.report['steps']} steps"
+    def refresh(_: Any, rank: int | None, search: str | None, seen: dict | None) -> tuple:
+        try:
+            src = pick(url_run(search))
+        except RunRefused as exc:
+            return refused(str(exc), exc.status, seen)
+        snap = src.snapshot()
+        key = {"version": snap.version, "rank": rank, "error": snap.error, "source": src.label}
+        status = f"source {src.label}; refreshed {_ago(snap.refreshed_at)}; {snap.analysis.report['steps']} steps"
         if seen == key:  # nothing new: leave the figures (and the user's zoom) alone
-            return (no_update,) * 2 + (status,) + (no_update,) * 9
-        if rank is None:
+            return (no_update,) * 2 + (status,) + (no_update,) * 10
+        if rank is None or (seen or {}).get("source") != src.label:
             rank = default_rank(snap)
         out = render(snap, rank)
-        children, style = banner(snap, source.label)
-        return (children, style, status, out["heatmap"],
+        children, style = banner(snap, src.label)
+        return (children, style, status, f"stragglerwatch: {src.label}", out["heatmap"],
                 out["breakdown"], out["band"], out["context"], out["events"], out["rows"], out["options"], rank,
                 {**key, "rank": rank})  # fmt: skip
 
+    if runs is not None:
+
+        @app.callback(Output(RUNS, "children"), Output(LISTED, "data"), Input(TICK, "n_intervals"),
+                      Input(URL, "search"), State(LISTED, "data"))  # fmt: skip
+        def picker(_: Any, search: str | None, listed: list | None) -> tuple:
+            try:
+                current = url_run(search)
+            except RunRefused:
+                current = None
+            names = runs()
+            if listed == [names, current]:  # the same links: leave them (one being clicked) alone
+                return no_update, no_update
+            return run_links(names, current), [names, current]
+
     return app
+
+
+def refused(message: str, status: int, seen: dict | None) -> tuple:
+    """What the page shows for a run it will not show: the reason, and nothing of any run."""
+    key = {"refused": message}
+    if seen == key:
+        return (no_update,) * 13
+    blank = figures.empty("nothing to show")
+    style = WAIT_STYLE if status in (404, 503) else ALERT_STYLE
+    return ([html.B(message)], style, "", "stragglerwatch", blank, blank, blank, blank, blank, [], [], None, key)
 
 
 def _ago(t: float) -> str:
@@ -163,4 +236,4 @@ def _ago(t: float) -> str:
     return f"{max(0.0, time.time() - t):.0f} s ago"
 
 
-__all__ = ["create_app", "render"]
+__all__ = ["RunRefused", "create_app", "render"]

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..analysis import Analysis, RankFigures, analyze_run, build_report, empty_analysis
+from ..analysis import Analysis, RankFigures, build_report, empty_analysis
 from ..detect import detect, to_matrix
-from ..eventlog import RunDirError, RunDirWarning
+from ..live import LiveRun
 from ..promsource import frame_from_prometheus, unavailable_from_prometheus
 from ..watchdog import read_events
 
@@ -84,35 +83,21 @@ class _Source:
 
 
 class RunDirSource(_Source):
-    """A run dir, followed as the job writes it (reloaded when a file changes)."""
+    """A run dir, followed as the job writes it: each poll reads only the new records and moves the
+    analysis on from where it was (``live.LiveRun``); once the run stops growing, the analysis is
+    ``analyze``'s."""
 
-    def __init__(self, run_dir: str | Path, interval_s: float = 2.0):
+    def __init__(self, run_dir: str | Path, interval_s: float = 0.5):
         super().__init__(interval_s)
         self.run_dir = Path(run_dir)
         self.label = str(self.run_dir)
-        self._signature: tuple | None = None
-
-    def _files_signature(self) -> tuple:
-        try:
-            return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in self.run_dir.iterdir()))
-        except OSError:
-            return ()
+        self.live = LiveRun(self.run_dir)
 
     def _load(self) -> tuple[Analysis | None, list[dict[str, Any]] | None, bool]:
-        signature = self._files_signature()
-        if signature == self._signature:
+        if not self.live.update():
             return None, None, False
-        self._signature = signature
-        try:
-            with warnings.catch_warnings():  # a live run misses ranks and cuts batches in half: normal
-                warnings.simplefilter("ignore", RunDirWarning)
-                analysis = analyze_run(self.run_dir)
-        except RunDirError:
-            if not self.run_dir.exists() or not any(self.run_dir.iterdir()):
-                return empty_analysis(), [], True  # the job has not started writing yet
-            raise
         events, _ = read_events(self.run_dir)
-        return analysis, events, True
+        return self.live.analysis, events, True
 
 
 class PrometheusSource(_Source):

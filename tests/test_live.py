@@ -1,0 +1,79 @@
+"""A run followed as it grows (``live.LiveRun``): only new records are read, the verdict follows the
+run, and once the run stops growing it is exactly ``analyze``'s."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+
+from stragglerwatch.analysis import analyze_run
+from stragglerwatch.live import LiveRun
+from stragglerwatch.simulate import GrowingRun, Injection, SimConfig
+
+
+def _same(live: LiveRun, run: Path) -> bool:
+    return json.loads(json.dumps(live.analysis.report)) == json.loads(json.dumps(analyze_run(run).report))
+
+
+def _flagged(live: LiveRun) -> list[tuple[int, str]]:
+    return [(s["rank"], s["cause"]) for s in live.analysis.report["stragglers"]]
+
+
+def test_a_growing_run_is_followed_and_settles_on_analyze(tmp_path):
+    cfg = SimConfig(ranks=24, steps=900, seed=5, groups=2,
+                    injections=[Injection(4, 0.2, 300, "data"), Injection(19, 0.25, 500, "compute", 750)])  # fmt: skip
+    run = GrowingRun(tmp_path / "run", cfg)
+    live = LiveRun(tmp_path / "run")
+    assert not live.update()  # nothing written yet: no analysis, no error
+    seen, read = [], []
+    for upto in range(40, 901, 40):
+        run.flush(upto)
+        assert live.update()
+        seen.append(_flagged(live))
+        read.append(sum(f.offset for f in live.files.values()))
+    assert live.restarts == 0  # every update read on from where the last stopped
+    assert seen[5] == [] and (4, "data") in seen[9] and {(4, "data"), (19, "compute")} <= set(seen[-1])
+    assert all(b > a for a, b in zip(read, read[1:], strict=False))
+    assert not live.exact and live.update() and live.exact  # nothing new: it settles on the whole run
+    assert _same(live, tmp_path / "run")
+    assert not live.update()  # and stays put
+    run.close()  # compacted into Parquet: the same records, nothing changes but the files
+    live.update()
+    assert _same(live, tmp_path / "run")
+
+
+def test_late_ranks_a_restart_and_a_batch_cut_in_half(tmp_path):
+    cfg = SimConfig(ranks=12, steps=400, seed=9, injections=[Injection(7, 0.3, 100, "optimizer")])
+    out = tmp_path / "run"
+    run = GrowingRun(out, cfg)
+    live = LiveRun(out)
+    run.flush(60, ranks=range(6))  # half the ranks have flushed, the rest have not started
+    live.update()
+    assert live.analysis.report["ranks_seen"] == 6
+    run.flush(200)
+    live.update()
+    assert live.analysis.report["ranks_seen"] == 12 and live.analysis.report["steps"] == 200
+    # rank 3's stream gets a batch that is still being written: it is read once it is whole
+    stream = out / "rank-00003.arrows"
+    size = stream.stat().st_size
+    run.flush(240, ranks=[3])
+    whole = stream.read_bytes()
+    stream.write_bytes(whole[: size + (len(whole) - size) // 2])
+    live.update()
+    assert live.analysis.report["ranks"][3]["steps"] == 200
+    stream.write_bytes(whole)
+    live.update()
+    assert live.analysis.report["ranks"][3]["steps"] == 240
+    # torchrun restarts the job: a new attempt's steps follow the old ones
+    t = run.tables[0].slice(0, 30)
+    t = t.set_column(t.schema.get_field_index("restart"), t.schema.field("restart"),
+                     pa.array([1] * t.num_rows, type=pa.int32()))  # fmt: skip
+    with pa.OSFile(str(out / "rank-00000.1.arrows"), "wb") as sink, pa.ipc.new_stream(sink, t.schema) as w:
+        w.write_table(t)
+    live.update()
+    assert [a["restart"] for a in live.analysis.report["attempts"]] == [0, 1]
+    assert (7, "optimizer") in _flagged(live)
+    live.update()
+    assert live.exact and _same(live, out)
