@@ -192,6 +192,25 @@ def _add_prometheus_config(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_prometheus_config)
 
 
+def cmd_grafana(args: argparse.Namespace) -> int:
+    from .grafana import main as write_grafana
+
+    return write_grafana([args.out_dir])
+
+
+def _add_grafana(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "grafana",
+        help="write the Grafana dashboards, their provisioning and a Docker Compose setup into a folder",
+        description="Write into OUT_DIR the files of the repository's grafana/ folder, generated from the installed "
+        "package: dashboards/ (stragglerwatch.json: one run; stragglerwatch-overview.json: all runs), "
+        "provisioning/ (the dashboards and a Prometheus data source), docker-compose.yml, compose/prometheus.yml "
+        "and prometheus/stragglerwatch.rules.yml. Existing files of those names are overwritten.",
+    )
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write (created if missing)")
+    p.set_defaults(func=cmd_grafana)
+
+
 def _add_dashboard(sub: argparse._SubParsersAction) -> None:
     from .demo import run_dashboard, run_demo
 
@@ -347,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_analyze(sub)
     _add_simulate(sub)
     _add_prometheus_config(sub)
+    _add_grafana(sub)
     _add_dashboard(sub)
     return parser
 

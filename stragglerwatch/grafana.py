@@ -1,12 +1,17 @@
-"""Grafana dashboards (JSON model), generated here so that they stay in sync with the metric names.
+"""Grafana dashboards (JSON model), generated here so that they stay in sync with the metric names,
+and the files that serve them: ``stragglerwatch grafana DIR`` (or ``python -m stragglerwatch.grafana
+DIR``) writes the whole ``grafana/`` folder of the repository from the installed package.
 
-``python -m stragglerwatch.grafana grafana/dashboards`` writes ``stragglerwatch.json`` (one run:
+``dashboards/`` holds ``stragglerwatch.json`` (one run:
 step time, throughput, busy time and its ratio to the peer median per rank, the slowest ranks with
 their cause, the phase breakdown, exposed communication, watchdog stalls, time lost, firing alerts,
 and the ranks' host and GPU context: CPU contention, context switches, GPU clocks and their slowdown
 reasons, temperature and power, GPU errors) and
-``stragglerwatch-overview.json`` (all runs at a glance). A test checks that the committed files are
-what this module generates and runs every query against a real Prometheus.
+``stragglerwatch-overview.json`` (all runs at a glance); ``provisioning/`` the Grafana provisioning
+that loads them and a Prometheus data source; ``docker-compose.yml``, ``compose/prometheus.yml`` and
+``prometheus/stragglerwatch.rules.yml`` (the rules shipped with the package) a Prometheus and a
+Grafana with Docker. Tests check that the repository's files are what this module writes and run
+every query against a real Prometheus.
 """
 
 from __future__ import annotations
@@ -240,12 +245,106 @@ def render(model: dict[str, Any]) -> str:
     return json.dumps(model, indent=2, sort_keys=True) + "\n"
 
 
+PROVISIONING_DASHBOARDS = """\
+# Grafana provisioning: load the dashboards mounted at /var/lib/grafana/dashboards/stragglerwatch.
+apiVersion: 1
+providers:
+  - name: stragglerwatch
+    folder: stragglerwatch
+    type: file
+    allowUiUpdates: true
+    options:
+      path: /var/lib/grafana/dashboards/stragglerwatch
+"""
+
+PROVISIONING_DATASOURCES = """\
+# Grafana provisioning: the Prometheus that scrapes the stragglerwatch exporters.
+apiVersion: 1
+datasources:
+  - name: Prometheus
+    type: prometheus
+    uid: prometheus
+    access: proxy
+    url: ${PROMETHEUS_URL:-http://localhost:9090}
+    isDefault: true
+"""
+
+DOCKER_COMPOSE = """\
+# Prometheus + Grafana for stragglerwatch, for users with Docker:
+#   STRAGGLERWATCH_SD_DIR=/shared/prom-sd docker compose -f grafana/docker-compose.yml up
+# (this folder: the repository's grafana/, or one written by `stragglerwatch grafana DIR`).
+# Jobs export with STRAGGLERWATCH_PROMETHEUS_PORT=19400 and STRAGGLERWATCH_SD_DIR pointing at the same
+# directory. Host networking lets Prometheus reach the ranks' exporters by the addresses they publish.
+# Grafana: http://localhost:3000 (admin/admin), folder "stragglerwatch".
+services:
+  prometheus:
+    image: prom/prometheus:latest
+    network_mode: host
+    command: ["--config.file=/etc/prometheus/prometheus.yml", "--web.listen-address=:9090"]
+    volumes:
+      - ./compose/prometheus.yml:/etc/prometheus/prometheus.yml:ro
+      - ./prometheus:/rules:ro
+      - ${STRAGGLERWATCH_SD_DIR:-/tmp/stragglerwatch-sd}:/sd:ro
+  grafana:
+    image: grafana/grafana:latest
+    network_mode: host
+    environment:
+      PROMETHEUS_URL: http://localhost:9090
+    volumes:
+      - ./provisioning:/etc/grafana/provisioning:ro
+      - ./dashboards:/var/lib/grafana/dashboards/stragglerwatch:ro
+"""
+
+COMPOSE_PROMETHEUS = """\
+# Prometheus for docker-compose.yml: scrapes every stragglerwatch target file in ${STRAGGLERWATCH_SD_DIR}
+# (mounted at /sd) and loads the shipped rules (mounted at /rules).
+global:
+  scrape_interval: 15s
+  evaluation_interval: 15s
+rule_files:
+  - /rules/stragglerwatch.rules.yml
+scrape_configs:
+  - job_name: stragglerwatch
+    honor_labels: true
+    file_sd_configs:
+      - files: ['/sd/stragglerwatch-*.json']
+        refresh_interval: 5s
+"""
+
+
+def files() -> dict[str, str]:
+    """Path (relative to the folder, ``/``-separated) -> text of every file ``stragglerwatch grafana`` writes."""
+    from .promrules import RULES_FILE, installed_rules
+
+    out = {f"dashboards/{name}": render(model) for name, model in dashboards().items()}
+    out["provisioning/dashboards/stragglerwatch.yml"] = PROVISIONING_DASHBOARDS
+    out["provisioning/datasources/stragglerwatch.yml"] = PROVISIONING_DATASOURCES
+    out["docker-compose.yml"] = DOCKER_COMPOSE
+    out["compose/prometheus.yml"] = COMPOSE_PROMETHEUS
+    out[f"prometheus/{RULES_FILE}"] = installed_rules().read_text()
+    return out
+
+
+def write(out: Path) -> list[Path]:
+    """Write :func:`files` under ``out`` (created, existing files overwritten); the paths written."""
+    written = []
+    for rel, text in files().items():
+        path = out / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        written.append(path)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
-    out = Path((argv or sys.argv[1:] or ["grafana/dashboards"])[0])
-    out.mkdir(parents=True, exist_ok=True)
-    for name, model in dashboards().items():
-        (out / name).write_text(render(model))
-        print(f"wrote {out / name}")
+    out = Path((argv or sys.argv[1:] or ["grafana"])[0])
+    try:
+        written = write(out)
+    except OSError as exc:
+        print(f"stragglerwatch: error: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 

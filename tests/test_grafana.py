@@ -12,7 +12,8 @@ import urllib.request
 import pytest
 from conftest import ROOT, prom_api, wait_for
 
-from stragglerwatch.grafana import dashboards, render
+from stragglerwatch.cli import main as cli
+from stragglerwatch.grafana import dashboards, files, render
 
 DASH_DIR = ROOT / "grafana" / "dashboards"
 VARS = {"$__rate_interval": "20s", "$__interval": "5s", "$rank": ".*"}
@@ -37,7 +38,27 @@ def test_committed_dashboards_are_generated() -> None:
     generated = dashboards()
     assert sorted(p.name for p in DASH_DIR.glob("*.json")) == sorted(generated)
     for name, model in generated.items():
-        assert (DASH_DIR / name).read_text() == render(model), f"{name}: run python -m stragglerwatch.grafana"
+        assert (DASH_DIR / name).read_text() == render(model), f"{name}: run stragglerwatch grafana grafana"
+
+
+def test_grafana_command_writes_the_repository_folder(tmp_path, capsys) -> None:
+    """``stragglerwatch grafana DIR`` writes what the repository's grafana/ holds (its promtool tests aside)."""
+    assert cli(["grafana", str(tmp_path / "out")]) == 0
+    written = sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert written == sorted(files())
+    assert len(capsys.readouterr().out.splitlines()) == len(written)
+    committed = {p.relative_to(ROOT / "grafana").as_posix() for p in (ROOT / "grafana").rglob("*") if p.is_file()}
+    assert committed - set(written) == {"prometheus/rules_test.yml"}
+    for rel in written:
+        ours = (tmp_path / "out" / rel).read_text()
+        assert ours == (ROOT / "grafana" / rel).read_text(), f"{rel}: run stragglerwatch grafana grafana"
+
+
+def test_grafana_command_error_is_one_line(tmp_path, capsys) -> None:
+    (tmp_path / "file").write_text("")
+    assert cli(["grafana", str(tmp_path / "file" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("stragglerwatch: error: cannot write "), err
 
 
 @pytest.mark.parametrize("name", sorted(dashboards()))

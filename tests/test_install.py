@@ -34,23 +34,30 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 60) -> subprocess.Completed
 def _source_copy(dest: Path) -> Path:
     """What building the package reads, copied out of the checkout: the build writes into its tree."""
     dest.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, dest / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(ROOT / "stragglerwatch", dest / "stragglerwatch", ignore=ignore)
     return dest
 
 
-@pytest.mark.install
-def test_analysis_host_install_has_no_torch_dash_plotly(tmp_path: Path) -> None:
-    src = _source_copy(tmp_path / "src")
+def fresh_venv(tmp_path: Path) -> tuple[str, str, Path]:
+    """A clean venv (no system site packages) under ``tmp_path``: its python, its stragglerwatch
+    command, and a working folder outside the checkout (nothing can be imported from it by accident)."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=_env(), timeout=120)
     assert "include-system-site-packages = false" in (venv / "pyvenv.cfg").read_text()
     bindir = venv / ("Scripts" if os.name == "nt" else "bin")
-    python, cli = str(bindir / "python"), str(bindir / "stragglerwatch")
-    work = tmp_path / "work"  # outside the checkout: nothing can be imported from it by accident
+    work = tmp_path / "work"
     work.mkdir()
+    return str(bindir / "python"), str(bindir / "stragglerwatch"), work
+
+
+@pytest.mark.install
+def test_analysis_host_install_has_no_torch_dash_plotly(tmp_path: Path) -> None:
+    src = _source_copy(tmp_path / "src")
+    python, cli, work = fresh_venv(tmp_path)
+    venv = tmp_path / "venv"
 
     pip = _run([python, "-m", "pip", "install", "-q", str(src)], work, timeout=300)
     if pip.returncode != 0 and any(s in pip.stdout + pip.stderr for s in OFFLINE):
