@@ -36,12 +36,13 @@ from .detect import DetectConfig, StepMatrix, Verdict, detect, straggler, verdic
 from .eventlog import RunDirWarning, conform, read_log, run_files
 from .explain import StepTimes
 from .runinfo import read_rank_meta
-from .runmatrix import FLOAT64_COLUMNS, ID_COLUMNS, VALUE_COLUMNS, StepPlan
+from .runmatrix import FLOAT64_COLUMNS, ID_COLUMNS, VALUE_COLUMNS, StepPlan, attempt_keys, attempt_list
 from .schema import schema_compatible
 from .stages import (
     Groups,
     HealthyStats,
     RankSeries,
+    StepStats,
     cause_phases,
     healthy_stage,
     intervals,
@@ -51,7 +52,6 @@ from .stages import (
     step_stage,
 )
 
-_KEY = 65536
 SCALAR_RANKS = 256  # ranks the followed run's scalars are estimated from
 RESERVE = 16384  # steps of room the arrays are made with
 _NAMES = [*ID_COLUMNS, *VALUE_COLUMNS]
@@ -268,7 +268,7 @@ class LiveRun:
         return pa.Table.from_batches(batches, schema=state.schema) if batches else None
 
     def _scatter(self, table: pa.Table) -> int | None:
-        keys = table["restart"].to_numpy().astype(np.int64) * _KEY + table["attach"].to_numpy().astype(np.int64)
+        keys = attempt_keys(table)
         raw = table["step"].to_numpy()
         for key in np.unique(keys):
             key, top = int(key), int(raw[keys == key].max())
@@ -322,9 +322,7 @@ class LiveRun:
 
     def _report(self, mat: StepMatrix, found: Verdict, times: StepTimes) -> Analysis:
         self.previous = (mat, found, times)
-        plan = StepPlan(self.ranks, self.steps, dict(self.offsets), [
-            {"restart": k // _KEY, "attach": k % _KEY, "first_step": self.offsets[k],
-             "last_step": self.offsets[k] + self.last[k]} for k in sorted(self.offsets)])  # fmt: skip
+        plan = StepPlan(self.ranks, self.steps, dict(self.offsets), attempt_list(self.offsets, self.last))
         if self.context is None or time.monotonic() - self.context_at >= self.slow_every_s or self.settling:
             self.context, self.context_at = load_context(self.run_dir), time.monotonic()
         with warnings.catch_warnings():
@@ -420,9 +418,7 @@ class LiveRun:
         return cons.combine2([cons.round2(part, sc, self.cfg)], sc, self.cfg)
 
 
-def _stats(d: dict[str, np.ndarray], n: int):  # noqa: ANN202
-    from .stages import StepStats
-
+def _stats(d: dict[str, np.ndarray], n: int) -> StepStats:
     return StepStats(d["step_med"][:n], d["least"][:n], d["top1"][:n], d["top1_at"][:n], d["top2"][:n],
                      d["group_med"][:n])  # fmt: skip
 

@@ -76,7 +76,7 @@ def scan_file(path: Path, warn: Callable[[str], None] | None = None) -> FileScan
     table = read_log(path, ID_COLUMNS, warn) if warn else read_log(path, ID_COLUMNS)
     if table is None:
         return None
-    keys = _keys(table)
+    keys = attempt_keys(table)
     steps = table["step"].to_numpy()
     one = keys.min() == keys.max()
     runs = {int(k): _runs(_unique(steps if one else steps[keys == k])) for k in (keys[:1] if one else np.unique(keys))}
@@ -118,7 +118,8 @@ def _scan_footer(path: Path) -> FileScan | None:
     return FileScan(path, np.array([rank], dtype=np.int64), {key: np.array([[first, last]], dtype=np.int64)})
 
 
-def _keys(table: Any) -> np.ndarray:
+def attempt_keys(table: Any) -> np.ndarray:
+    """Each record's attempt, one integer: ``restart * 65536 + attach``."""
     return table["restart"].to_numpy().astype(np.int64) * _KEY + table["attach"].to_numpy().astype(np.int64)
 
 
@@ -129,15 +130,20 @@ def plan(scans: Iterable[FileScan | None]) -> StepPlan:
     for s in found:
         for key, runs in s.runs.items():
             last[key] = max(last.get(key, -1), int(runs[-1, 1]))
-    offsets, attempts, offset = {}, [], 0
+    offsets, offset = {}, 0
     for key in sorted(last):
         offsets[key] = offset
-        attempts.append({"restart": key // _KEY, "attach": key % _KEY, "first_step": offset,
-                         "last_step": offset + last[key]})  # fmt: skip
         offset += last[key] + 1
     spans = [runs + offsets[key] for s in found for key, runs in s.runs.items()]
     ranks = np.unique(np.concatenate([s.ranks for s in found])) if found else np.zeros(0, dtype=np.int64)
-    return StepPlan(ranks.astype(np.int64), _expand(spans), offsets, attempts)
+    return StepPlan(ranks.astype(np.int64), _expand(spans), offsets, attempt_list(offsets, last))
+
+
+def attempt_list(offsets: dict[int, int], last: dict[int, int]) -> list[dict[str, int]]:
+    """The report's attempts: each attempt key's ``restart``, ``attach`` and its first and last step in
+    the run's numbering (``offsets``: what its steps are shifted by; ``last``: its last own step)."""
+    return [{"restart": k // _KEY, "attach": k % _KEY, "first_step": offsets[k], "last_step": offsets[k] + last[k]}
+            for k in sorted(offsets)]  # fmt: skip
 
 
 def _expand(spans: list[np.ndarray]) -> np.ndarray:
@@ -192,7 +198,7 @@ def fill(
             progress()
         if table is None or not known.size or not len(steps) or not len(ranks):
             continue
-        keys = _keys(table)
+        keys = attempt_keys(table)
         k = np.minimum(np.searchsorted(known, keys), len(known) - 1)
         ok = known[k] == keys
         step = table["step"].to_numpy() + shift[k]
