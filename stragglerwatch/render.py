@@ -140,10 +140,13 @@ def pytorch_log_lines(report: dict[str, Any], width: int = 80, most: int = 12) -
              f"({report['log_skipped_lines']} other lines skipped)"]  # fmt: skip
     first = report.get("first_failure")
     if first:
-        what = " ".join(str(x) for x in (f"SeqNum {first['seq']}" if first.get("seq") is not None else None,
+        label = "fingerprint SequenceNumber" if first.get("rule") == "collective mismatch" else "SeqNum"
+        what = " ".join(str(x) for x in (f"{label} {first['seq']}" if first.get("seq") is not None else None,
                                          first.get("op")) if x)  # fmt: skip
-        lines += _wrap(f"  first failure: rank {first.get('rank')}" + (f", collective {what}" if what else "")
-                       + f" ({first.get('kind')}, line {first.get('line_no')})", width)  # fmt: skip
+        who = _ranks(first.get("ranks") or [first.get("rank")])
+        lines += _wrap(f"  first failure: rank(s) {who}" + (f", collective {what}" if what else "")
+                       + f" (by {first.get('rule', first.get('kind'))}: {first.get('kind')}, line "
+                       f"{first.get('line_no')})", width)  # fmt: skip
     for e in events[:most]:
         fields = [f"{k}={e[k]}" for k in ("rank", "pg", "seq", "op", "timeout_ms", "ran_for_ms", "exit_code",
                                           "signal", "peer") if e.get(k) is not None]  # fmt: skip

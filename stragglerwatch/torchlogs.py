@@ -1,4 +1,5 @@
-"""Parse PyTorch distributed failure messages (NCCL watchdog, gloo, monitored_barrier, torchrun) out of logs.
+"""Parse PyTorch distributed failure messages (NCCL watchdog, desync reports, DETAIL fingerprint mismatches,
+Flight Recorder, NCCL and c10d store errors, gloo, monitored_barrier, torchrun) out of logs.
 
 Design: a line-oriented, version-tolerant matcher; no torch import, no I/O beyond reading the given files.
 Each message is recognised by a stable phrase ("collective operation timeout: WorkNCCL(", "last enqueued
@@ -11,6 +12,24 @@ torchrun's multi-line ``ChildFailedError`` summary is read by a small state mach
 ``child_failed`` event per ``[N]:`` entry (its ``text`` joins the entry's lines with `` | ``).
 Lines that match nothing (unknown, garbage, undecodable bytes) are counted in ``LogParse.skipped``;
 no input line raises.
+
+Multi-line messages: the desync report (``desync_*`` kinds) and the ``collective_mismatch`` line are read in
+:mod:`stragglerwatch.torchlogs_blocks`, which documents their shapes; a report's state is kept per
+``[rankN]:`` stream. The frames (``#0 fn from file:line``) after ``Stack trace of the failed collective:``
+go to that event's ``stack``; an ``ncclRemoteError: ...`` detail line right after an ``NCCL error`` line
+fills that event's ``error`` instead of making another event.
+
+Kinds and the fields they set beyond ``rank``/``pg`` (2.4-2.13 phrasing, older where it differs):
+``nccl_timeout``, ``nccl_work_state`` (``peer_rank``: the rank whose timeout sent the dump signal, its own
+rank for "this local rank"), ``nccl_failure``, ``heartbeat_timeout``; ``desync_timeout``/``desync_missing``/
+``desync_lagging``/``desync_finished``/``desync_snapshot``; ``collective_mismatch`` (``peer_rank``,
+``peer_seq``, ``peer_op``, ``differs``, ``detail`` shapes/dtypes/devices); ``dump_signal_observed``,
+``dump_signal_sent``, ``dump_start``, ``dump_written``/``dump_error`` (``path``), ``stack_trace``
+(``stack``), ``stack_trace_missing``, ``watchdog_exit``; ``nccl_error`` (``error`` as ncclResult name,
+``detail["nccl_version"]``), ``nccl_aborted`` (``error``: the original reason); ``store_timeout``/
+``store_error`` (``timeout_ms``, ``error``, ``detail`` keys or clients joined, ``peer_rank`` the
+ncclUniqueId root); ``gloo_timeout``, ``gloo_peer_closed``, ``monitored_barrier``, ``worker_failed``,
+``child_failed``.
 
 Process-group normalisation: ``pg`` is the group's id token as printed, without its description:
 ``[PG 1 Rank 0]`` -> "1", ``[PG 0 (default_pg) Rank 7]`` -> "0", ``[PG ID 0 PG GUID 0(default_pg) Rank 5]``
@@ -25,18 +44,25 @@ import re
 import signal as _signal
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, Any
+
+from .torchlogs_blocks import FRAME, DesyncReader, desync_verdict, match_mismatch, match_recent, mismatch_verdict
 
 _TEXT_MAX = 500  # chars of the raw line kept in LogEvent.text
 _SCAN_MAX = 20_000  # chars of a line that are matched at all: messages are short, longer lines are garbage
 _READ_MAX = 1 << 20  # bytes of one line read from a file; the rest of an overlong line is discarded
-_SEQ_KINDS = ("nccl_timeout", "nccl_work_state")
+_TIMEOUT_KINDS = ("nccl_timeout", "gloo_timeout", "desync_timeout")  # a rank that waited in a collective
+_SEQ_KINDS = ("nccl_timeout", "nccl_work_state", "desync_timeout")
+_STACK_MAX = 50  # frames kept in LogEvent.stack
 
 # Context tags.
 _PG_TAG = re.compile(r"\[PG (?:ID \S{1,64} PG GUID )?([^\s()\]]{1,64})\s*(?:\([^)]{0,200}\))?\s*Rank (\d+)\]")
 _RANK_TAG = re.compile(r"\[Rank (\d+)\]")
 _RANK_PREFIX = re.compile(r"\[rank(\d+)\]:")
 _ROLE_PREFIX = re.compile(r"^\s*\[default(\d+)\]:")  # torchrun --tee before 2.2: [<role><local_rank>]:
+_STREAM = re.compile(r"^\s*\[(?:rank|default)\d+\]:")  # whose output a line is, for multi-line messages
+_GLOG = re.compile(r"\[[EWIF]\d{4} |\[[EWIF] |^\s*[EWIF]\d{4} ")
+_BARE_TAG = re.compile(r"^(?:\[PG [^\]]*Rank \d+\]|\[Rank \d+\]|Rank \d+)$")  # a glog line that leads a block
 _PREFIXES = re.compile(
     r"^(?:\s*(?:\[rank\d+\]:|\[default\d+\]:|\[[EWIF]\d{4} [\d:.]+ [^\]]*\]|\[[EWIF] [^\]]*\]"
     r"|[EWIF]\d{4} [\d:.]+ \d+ \S+:\d+\]))*"
@@ -54,7 +80,9 @@ _WORK_KEYS = {
     "Timeout(ms)": "timeout_ms",
 }
 _RAN_FOR = re.compile(r"\)\s*ran for (\d+)\s*milliseconds")
-_STATE = re.compile(r"last enqueued (?:NCCL )?work:\s*(-?\d+),?\s*last completed (?:NCCL )?work:\s*(-?\d+)", re.I)
+_STATE = re.compile(r"last enqueued (?:\w+ )?work:\s*(-?\d+),?\s*last completed (?:\w+ )?work:\s*(-?\d+)", re.I)
+_DUMP_FROM = re.compile(r"Received a (?:dump|timeout) signal (?:due to a collective timeout )?from\s+(this local rank"
+                        r"|rank\s+(-?\d+))")  # fmt: skip
 _STATE_SEQ = re.compile(r"\bat (?:NCCL )?work(?: sequence id)?:\s*(\d+)", re.I)
 _NCCL_FAILURE = re.compile(r"Some NCCL operations have failed or timed out")
 _HEARTBEAT = re.compile(r"Heartbeat monitor timed out")
@@ -100,7 +128,16 @@ class LogEvent:
     host: str | None = None
     local_rank: int | None = None
     peer: str | None = None
-    failed_ranks: list[int] = field(default_factory=list)
+    failed_ranks: list[int] = field(default_factory=list)  # ranks the message blames
+    ranks: list[int] = field(default_factory=list)  # ranks it names otherwise (a desync snapshot group)
+    peer_rank: int | None = None  # the other rank it names: mismatching rank, dump signaller, store root
+    peer_seq: int | None = None
+    peer_op: str | None = None
+    differs: list[str] = field(default_factory=list)  # collective_mismatch: seq, op, shape, dtype, device
+    path: str | None = None  # a Flight Recorder dump file
+    error: str | None = None  # ncclResult name, abort reason, store error
+    stack: list[str] = field(default_factory=list)  # frames of the failed collective
+    detail: dict[str, Any] = field(default_factory=dict)  # kind-specific extras
     root_cause: bool = False
     file: str | None = None
     text: str = ""
@@ -116,22 +153,39 @@ class LogParse:
     skipped: int  # lines that matched nothing
 
     def first_failure(self) -> dict | None:
-        """The first failing rank and collective: ``{"rank", "seq", "op", "kind", "line_no", "file"}``.
+        """The first failing rank(s) and collective: ``{"rank", "ranks", "pg", "seq", "op", "kind", "line_no",
+        "file"}``; ``ranks`` lists every culprit, ``rank`` is the first of them; ``pg`` the process group of
+        ``seq`` when known.
 
-        The lowest sequence number among ``nccl_timeout``/``nccl_work_state`` events is the collective that
-        failed first. A rank whose highest reported ``last_enqueued`` (same pg, or pg unknown) is below it
-        never launched it and is the culprit (the furthest behind, then the earliest). Otherwise the rank of
-        the first event at that sequence number; without any sequence number the torchrun root cause, then
-        the first event with a rank, then the first event. ``kind``/``line_no``/``file`` name the line that
-        gave the rank. None without events.
+        A desync report names the culprits outright (see ``torchlogs_blocks.desync_verdict``): ranks that
+        never joined, else the ranks furthest behind. Then collective fingerprint mismatches (the rank most
+        reporters name, ``mismatch_verdict``). Otherwise the lowest sequence number among ``nccl_timeout``/
+        ``nccl_work_state``/``desync_timeout`` events is the collective that failed first. A rank whose
+        highest reported ``last_enqueued`` (same pg, or pg unknown) is below it never launched it and is the
+        culprit (the furthest behind, then the earliest). Otherwise the rank of the first event at that
+        sequence number; without any sequence number the torchrun root cause, then the first event with a
+        rank, then the first event. ``kind``/``line_no``/``file`` name the line that decided. None without
+        events.
         """
         if not self.events:
             return None
+        if found := desync_verdict(self.events):
+            ev, ranks, seq, op = found
+            return _verdict(ev, seq, op, ranks, rule="desync report")
+        if found := mismatch_verdict(self.events):
+            ev, ranks, seq, op = found
+            return _verdict(ev, seq, op, ranks, rule="collective mismatch")
         timed = [e for e in self.events if e.kind in _SEQ_KINDS and e.seq is not None]
         if not timed:
+            barrier = [e for e in self.events if e.kind == "monitored_barrier" and e.failed_ranks]
+            if barrier:  # torch names the ranks that did not reach the barrier
+                ranks = sorted({r for e in barrier for r in e.failed_ranks})
+                return _verdict(barrier[0], None, "monitoredBarrier", ranks, rule="monitored barrier")
+            if found := self._not_timed_out():
+                return found
             root = next((e for e in self.events if e.kind == "child_failed" and e.root_cause), None)
             ev = root or next((e for e in self.events if e.rank is not None), self.events[0])
-            return _verdict(ev, ev.seq, ev.op)
+            return _verdict(ev, ev.seq, ev.op, rule="root cause" if root else "first message")
         seq = min(e.seq for e in timed if e.seq is not None)
         at_seq = [e for e in timed if e.seq == seq]
         op = next((e.op for e in at_seq if e.op), None)
@@ -145,12 +199,37 @@ class LogParse:
                 issued[e.rank] = (max(known), e)
         behind = [(n, e) for n, e in issued.values() if n < seq]  # dict order: first seen rank first
         if behind:
-            return _verdict(min(behind, key=lambda item: item[0])[1], seq, op)
-        return _verdict(next((e for e in at_seq if e.rank is not None), at_seq[0]), seq, op)
+            return _verdict(min(behind, key=lambda item: item[0])[1], seq, op, pg=pg, rule="behind")
+        if found := self._not_timed_out():
+            return found
+        return _verdict(next((e for e in at_seq if e.rank is not None), at_seq[0]), seq, op, pg=pg,
+                        rule="first timeout")  # fmt: skip
+
+    def _not_timed_out(self) -> dict | None:
+        """Most of the job's ranks timed out waiting in a collective, and the logs show the job's other
+        ranks (torchrun's summary lists every failed rank) without a timeout: those were not in the
+        collective. Needs the world (ranks of ``child_failed`` entries) and more timed-out ranks than not."""
+        timed_out = {e.rank for e in self.events if e.kind in _TIMEOUT_KINDS and e.rank is not None}
+        world = {e.rank for e in self.events if e.kind == "child_failed" and e.rank is not None}
+        rest = sorted(world - timed_out)
+        if not timed_out or not world >= timed_out or not rest or len(rest) >= len(timed_out):
+            return None
+        ev = next(e for e in self.events if e.kind == "child_failed" and e.rank == rest[0])
+        first = next(e for e in self.events if e.kind in _TIMEOUT_KINDS and e.rank is not None)
+        op = first.op if first.kind != "gloo_timeout" else None  # gloo names its transport op (send, recv)
+        return _verdict(ev, first.seq, op, rest, pg=first.pg, rule="did not time out")
 
 
-def _verdict(ev: LogEvent, seq: int | None, op: str | None) -> dict:
-    return {"rank": ev.rank, "seq": seq, "op": op, "kind": ev.kind, "line_no": ev.line_no, "file": ev.file}
+def _verdict(ev: LogEvent, seq: int | None, op: str | None, ranks: list[int] | None = None,
+             pg: str | None = None, rule: str = "first message") -> dict:  # fmt: skip
+    """``rule`` says what decided: "desync report", "collective mismatch", "behind" (last enqueued work
+    below the failed collective), "monitored barrier" (torch names who did not arrive) — evidence of
+    who is behind —, "did not time out" (the ranks of the job that did not time out while most did),
+    or "first timeout", "root cause", "first message" (only who failed first)."""
+    if ranks is None:
+        ranks = [ev.rank] if ev.rank is not None else []
+    return {"rank": ranks[0] if ranks else ev.rank, "ranks": list(ranks), "pg": ev.pg if pg is None else pg,
+            "seq": seq, "op": op, "kind": ev.kind, "rule": rule, "line_no": ev.line_no, "file": ev.file}  # fmt: skip
 
 
 def _int(text: str | None) -> int | None:
@@ -189,11 +268,16 @@ def _match_message(line: str) -> tuple[str, dict] | None:
         return "nccl_timeout", fields
     if m := _STATE.search(line):
         seq = _STATE_SEQ.search(line)
-        return "nccl_work_state", {
+        fields = {
             "seq": int(seq.group(1)) if seq else None,
             "last_enqueued": int(m.group(1)),
             "last_completed": int(m.group(2)),
         }
+        if sig := _DUMP_FROM.search(line):
+            sender = _int(sig.group(2))
+            fields["peer_rank"] = "self" if sig.group(2) is None else (sender if sender is not None and sender >= 0
+                                                                       else None)  # fmt: skip
+        return "nccl_work_state", fields
     if _NCCL_FAILURE.search(line):
         return "nccl_failure", {}
     if _HEARTBEAT.search(line):
@@ -209,6 +293,8 @@ def _match_message(line: str) -> tuple[str, dict] | None:
             "failed_ranks": [int(r) for r in re.split(r"\s*,\s*", m.group(1))],
             "timeout_ms": int(m.group(2)),
         }
+    if fields := match_mismatch(line):
+        return "collective_mismatch", fields
     if m := _WORKER.search(line):
         code = int(m.group(1))
         return "worker_failed", {
@@ -217,11 +303,12 @@ def _match_message(line: str) -> tuple[str, dict] | None:
             "local_rank": int(m.group(2)),
             "pid": int(m.group(3)),
         }
-    return None
+    return match_recent(line)
 
 
-def _event(line: str, line_no: int, file: str | None) -> LogEvent | None:
-    found = _match_message(line)
+def _event(line: str, line_no: int, file: str | None, found: tuple[str, dict] | None = None) -> LogEvent | None:
+    """The event of ``line`` (``found``: its kind and fields when already matched); None for no message."""
+    found = found or _match_message(line)
     if found is None:
         return None
     kind, fields = found
@@ -232,11 +319,14 @@ def _event(line: str, line_no: int, file: str | None) -> LogEvent | None:
         fields.setdefault("rank", int(m.group(1)))
     if "local_rank" not in fields and (m := _ROLE_PREFIX.match(line)):
         fields["local_rank"] = int(m.group(1))
+    if fields.get("peer_rank") == "self":  # "dump signal ... from this local rank"
+        fields["peer_rank"] = fields.get("rank")
     return LogEvent(kind, line_no, file=file, text=line.strip()[:_TEXT_MAX], **fields)
 
 
 class _Parser:
-    """Accumulates events over one or more files; holds the ChildFailedError block state."""
+    """Accumulates events over one or more files; holds the state of multi-line messages: the ChildFailedError
+    summary, desync reports, stack frames, NCCL error details."""
 
     def __init__(self) -> None:
         self.events: list[LogEvent] = []
@@ -250,9 +340,16 @@ class _Parser:
         self._entry: LogEvent | None = None
         self._entry_text: list[str] = []
         self._tb_open = False  # inside a (possibly multi-line) traceback/msg field
+        self._desync = DesyncReader()
+        self._heads: dict[str | None, tuple[int, str | None, bool]] = {}  # stream -> line that may lead a report
+        self._stack: tuple[LogEvent, int] | None = None  # the stack_trace event taking frames, its last line
+        self._last: tuple[LogEvent, int, str | None] | None = None  # the last event, its line and stream
+        self._last_error_at: tuple[int, str | None] = (-1, None)  # an NCCL error's "Last error:" line, stream
 
     def begin_file(self, file: str | None) -> None:
         self._file, self._file_start = file, len(self.events)
+        self._desync, self._heads, self._stack, self._last = DesyncReader(), {}, None, None
+        self._last_error_at = (-1, None)
 
     def end_file(self) -> None:
         self._end_block()
@@ -267,18 +364,83 @@ class _Parser:
             raw = raw.decode("utf-8", "replace")
         line = raw.rstrip("\r\n")[:_SCAN_MAX]
         prefix = _PREFIXES.match(line)
-        body = line[prefix.end() if prefix else 0 :].strip()
-        if self._in_block and self._block_line(line, body, line_no):
+        cut = prefix.end() if prefix else 0
+        body = line[cut:].strip()
+        stream = m.group(0).strip() if (m := _STREAM.match(line)) else None
+        if self._in_block and self._block_line(line, body, stream, line_no):
             return
-        if ev := _event(line, line_no, self._file):
-            self.events.append(ev)
-        elif _CHILD_START.search(line) or (_SECTION.match(body) and body.startswith("Root Cause")):
+        if self._consume(line, body, stream, line_no):
+            return
+        if _CHILD_START.search(line) or (_SECTION.match(body) and body.startswith("Root Cause")):
             self._start_block()
-            self._block_line(line, body, line_no)
-        else:
-            self.skipped += 1
+            self._block_line(line, body, stream, line_no)
+            return
+        self.skipped += 1
+        if _BARE_TAG.match(body) and _GLOG.search(line[:cut]):  # "[E.. ProcessGroupNCCL.cpp:N] [PG 0 Rank 3]"
+            tag = _PG_TAG.search(body)
+            self._heads[stream] = (line_no, tag.group(1) if tag else None, True)
 
-    def _block_line(self, line: str, body: str, line_no: int) -> bool:
+    def _consume(self, line: str, body: str, stream: str | None, line_no: int) -> bool:
+        """Record the message on ``line``, if it is one (or part of one): True when recognised."""
+        if self._stack is not None:
+            ev, last = self._stack
+            if last == line_no - 1 and FRAME.match(body):
+                if len(ev.stack) < _STACK_MAX:
+                    ev.stack.append(body[:_TEXT_MAX])
+                self._stack = ev, line_no
+                return True
+            self._stack = None
+        if self._nccl_error_detail(body, stream, line_no):
+            return True
+        head = self._heads.pop(stream, None)
+        lead = head is not None and head[0] == line_no - 1  # the line before leads this one
+        found = self._desync.match(body, stream, head[1] if head and lead else None)
+        if found is not None:
+            if head and lead and head[2]:
+                self.skipped -= 1  # the bare tag line was the report's first line after all
+            if found[0] is not None:
+                self._add(_event(line, line_no, self._file, (found[0], found[1])), line_no, stream)
+            return True
+        self._desync.close(stream)
+        ev = _event(line, line_no, self._file)
+        if ev is None:
+            return False
+        if ev.kind == "nccl_error_detail":
+            if (last := self._last_nccl_error(stream, line_no)) is not None:
+                if last.error is None or not last.error.startswith("nccl"):
+                    last.error = ev.error
+                self._last = last, line_no, stream
+                return True  # the detail line of that NCCL error
+            ev.kind = "nccl_error"
+        self._add(ev, line_no, stream)
+        if ev.kind == "nccl_timeout":  # before 2.0 the desync report follows the watchdog's message
+            self._heads[stream] = (line_no, ev.pg, False)
+        elif ev.kind == "stack_trace":
+            self._stack = ev, line_no
+        return True
+
+    def _last_nccl_error(self, stream: str | None, line_no: int) -> LogEvent | None:
+        """The nccl_error event of the line before, in the same stream."""
+        last = self._last
+        return last[0] if last and last[0].kind == "nccl_error" and last[1:] == (line_no - 1, stream) else None
+
+    def _nccl_error_detail(self, body: str, stream: str | None, line_no: int) -> bool:
+        """NCCLUtils' ``Last error:`` line after an NCCL error, and the line after it (into ``detail``)."""
+        if body == "Last error:" and (last := self._last_nccl_error(stream, line_no)) is not None:
+            self._last, self._last_error_at = (last, line_no, stream), (line_no, stream)
+            return True
+        if self._last_error_at == (line_no - 1, stream) and self._last is not None and body:
+            self._last[0].detail["last_error"] = body[:_TEXT_MAX]
+            self._last_error_at = (-1, None)
+            return True
+        return False
+
+    def _add(self, ev: LogEvent | None, line_no: int, stream: str | None) -> None:
+        if ev is not None:
+            self.events.append(ev)
+            self._last = ev, line_no, stream
+
+    def _block_line(self, line: str, body: str, stream: str | None, line_no: int) -> bool:
         """Consume one line of a ChildFailedError summary; False (block closed) when it is not part of it."""
         if _SEPARATOR.match(body):
             self._close_entry()
@@ -306,8 +468,7 @@ class _Parser:
                 self._entry_text.append(body)
             self._set_field(m.group(1), m.group(2).strip())
             return True
-        if ev := _event(line, line_no, self._file):
-            self.events.append(ev)
+        if self._consume(line, body, stream, line_no):
             if not self._tb_open:
                 self._end_block()
             return True
