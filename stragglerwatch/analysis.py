@@ -244,12 +244,40 @@ def empty_analysis() -> Analysis:
     return Analysis(report.to_dict(), mat, verdict, typed=report)
 
 
+FR_DUMPS = "flightrec-*.pkl"  # the Flight Recorder dumps our watchdog writes at a stall
+
+
 def add_pytorch_logs(report: dict[str, Any], parsed: LogParse) -> None:
     """Add what PyTorch's own messages say: ``log_events``, ``first_failure``, line counts."""
     report["log_events"] = [e.to_dict() for e in parsed.events]
     report["first_failure"] = parsed.first_failure()
     report["log_lines"] = parsed.lines
     report["log_skipped_lines"] = parsed.skipped
+
+
+def add_flight_recorder(report: dict[str, Any], source: str | Path | None) -> None:
+    """Add what Flight Recorder dumps say (``flight_recorder``): those under ``source`` (``--fr``),
+    else those our watchdog wrote into the run dir at a stall. ValueError names a missing source."""
+    from .flightrec import analyze_dumps
+    from .frdumps import load_dumps
+
+    run_dir = report.get("run_dir")
+    if source is not None:
+        dumps = load_dumps(source)
+    elif run_dir and any(Path(run_dir).glob(FR_DUMPS)):
+        dumps = load_dumps(run_dir, FR_DUMPS)
+    else:
+        return
+    report["flight_recorder"] = analyze_dumps(dumps, report.get("world_size") or None)
+
+
+def add_hang_verdict(report: dict[str, Any]) -> None:
+    """Reconcile the hang evidence of every source into ``hang_verdict`` (None: no source saw a hang)."""
+    from .hangverdict import reconcile
+
+    verdict = reconcile(report.get("hangs") or [], report.get("flight_recorder"), report.get("first_failure"))
+    if verdict is not None:
+        report["hang_verdict"] = verdict
 
 
 def last_steps(mat: StepMatrix) -> dict[int, int]:

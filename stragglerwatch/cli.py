@@ -53,12 +53,12 @@ class Progress:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from .analysis import add_pytorch_logs, analyze_run, empty_analysis
+    from .analysis import add_flight_recorder, add_hang_verdict, add_pytorch_logs, analyze_run, empty_analysis
     from .detect import DetectConfig
     from .torchlogs import parse_files
 
-    if args.run_dir is None and not args.logs:
-        print("stragglerwatch: error: give a RUN_DIR, --logs FILE..., or both", file=sys.stderr)
+    if args.run_dir is None and not args.logs and args.fr is None:
+        print("stragglerwatch: error: give a RUN_DIR, --logs FILE..., --fr DIR, or several", file=sys.stderr)
         return 2
     config = DetectConfig(window=args.window, level_window=args.level_window, min_slowdown=args.min_slowdown,
                           tolerance=args.tolerance, z=args.z, decision=args.decision)  # fmt: skip
@@ -90,7 +90,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     else:
         analysis = empty_analysis()
     run_dir = args.run_dir is not None and not Path(args.run_dir).is_file()
-    if run_dir and analysis.report["steps"] == 0 and not args.logs and not analysis.report["hangs"]:
+    if run_dir and analysis.report["steps"] == 0 and not (args.logs or args.fr) and not analysis.report["hangs"]:
         print(f"stragglerwatch: error: {args.run_dir}: empty run (no step recorded yet)", file=sys.stderr)
         return 2
     if args.logs:
@@ -99,6 +99,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"stragglerwatch: error: {exc}", file=sys.stderr)
             return 2
+    try:
+        add_flight_recorder(analysis.report, args.fr)
+    except ValueError as exc:
+        print(f"stragglerwatch: error: --fr {exc}", file=sys.stderr)
+        return 2
+    add_hang_verdict(analysis.report)
     if args.format == "json":
         text = json.dumps(analysis.report, indent=2)
     elif args.format == "html":
@@ -270,6 +276,13 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
                    help="torchrun/worker log files to read PyTorch's own failure messages from (NCCL watchdog "
                    "and heartbeat timeouts, gloo timeouts, monitoredBarrier, torchrun's ChildFailedError): "
                    "the report names the first failing rank and collective")  # fmt: skip
+    p.add_argument("--fr", metavar="DIR",
+                   help="PyTorch Flight Recorder dumps of the job's ranks (a directory, searched recursively, or "
+                   "one file): torch's pickles ($TORCH_FR_DUMP_TEMP_FILE<rank>, written on an NCCL watchdog "
+                   "timeout) or JSON (_dump_fr_trace_json, the debug server's fr_trace_json); the report names "
+                   "the first collective not entered by every rank, the missing or late ranks, mismatched "
+                   "operations and each rank's last completed collective. Without --fr, the dumps our watchdog "
+                   "wrote into RUN_DIR at a stall are read")  # fmt: skip
     p.add_argument("--meta", metavar="META.yaml",
                    help="with RUN_DIR being an op-level trace (Parquet, one row per op per worker): its "
                    "parallel layout; adds the what-if job slowdown and its attribution to workers, stages, op "

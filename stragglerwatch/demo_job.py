@@ -27,6 +27,7 @@ does). The training loop itself is plain PyTorch: stragglerwatch only sees it th
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import signal
 import time
@@ -122,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stall-rank", type=int, default=-1, help="rank that stalls (default: none)")
     p.add_argument("--stall-at-step", type=int, default=10, help="step before which it stalls (default 10)")
     p.add_argument("--stall-seconds", type=float, default=30.0, help="how long it stalls (default 30)")
+    p.add_argument("--pg-timeout", type=float, default=None,
+                   help="process-group timeout in seconds: a collective waiting longer fails (default: torch's)")
     p.add_argument("--kill-rank", type=int, default=-1, help="rank to SIGKILL (default: none)")
     p.add_argument("--kill-at-step", type=int, default=10, help="step before which it is killed (default 10)")
     p.add_argument(
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         cpus = [int(c) for c in args.pin_cpus.split(",")]
         os.sched_setaffinity(0, {cpus[int(os.environ.get("RANK", 0)) % len(cpus)]})
     use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    timeout = datetime.timedelta(seconds=args.pg_timeout) if args.pg_timeout else None
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda:

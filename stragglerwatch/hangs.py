@@ -128,9 +128,7 @@ def hangs_from_events(
         verdict = classify(states, world_size) if heard_all else local_verdict(states, world_size)
         culprit_events = [e for e in group if e.get("kind") == "stall" and int(e["rank"]) in verdict["culprit_ranks"]]
         first = min(group, key=lambda e: e.get("detected_at", 0.0))
-        recovered = [
-            e for e in events if e.get("kind") == "recovery" and e.get("stall_id") in {x.get("id") for x in group}
-        ]
+        recovered = _recovered(group, events)
         hangs.append(
             {
                 **verdict,
@@ -144,8 +142,28 @@ def hangs_from_events(
         )
     shutdown = _shutdown_hang(events, world_size, last_steps or {})
     if shutdown is not None:
-        hangs.append(shutdown)
+        stuck = hangs[-1] if hangs and not hangs[-1]["recovered"] else None
+        if stuck is not None and set(shutdown["culprit_ranks"]) <= set(stuck["culprit_ranks"]):
+            stuck["ended"] = {"at": shutdown["detected_at"], "reasons": shutdown["reasons"]}  # the stall's end
+        else:
+            hangs.append(shutdown)
     return hangs
+
+
+_UNWIND_S = 5.0  # a "recovery" this close to the rank's exception or SIGTERM is the crash unwinding
+
+
+def _recovered(group: list[dict[str, Any]], events: list[dict[str, Any]]) -> bool:
+    """Whether the stall ended in progress: a rank moved on, and not because its collective failed
+    or it was being torn down (a victim moves on only once the culprit has issued the collective)."""
+    ids = {x.get("id") for x in group}
+    ends = {}
+    for e in events:
+        if e.get("kind") in ("exception", "sigterm"):
+            ends.setdefault(int(e["rank"]), []).append(e.get("detected_at", 0.0))
+    moved = {int(e["rank"]) for e in events if e.get("kind") == "recovery" and e.get("stall_id") in ids
+             and not any(abs(t - e.get("detected_at", 0.0)) <= _UNWIND_S for t in ends.get(int(e["rank"]), []))}
+    return bool(moved)
 
 
 def _culprit_stacks(

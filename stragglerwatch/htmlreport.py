@@ -14,6 +14,7 @@ require("the HTML report (analyze --format html)", "plotly")
 from . import figures  # noqa: E402
 from .analysis import Analysis  # noqa: E402
 from .ctxfigure import context_figure  # noqa: E402
+from .hangrender import flight_recorder_lines, hang_verdict_lines  # noqa: E402
 from .render import context_text, hang_line, verdict_lines  # noqa: E402
 
 STYLE = """
@@ -78,6 +79,10 @@ def render_html(analysis: Analysis) -> str:
                 for thread, stack in stacks.items():
                     parts.append(f"<details><summary>rank {rank}: {html.escape(thread)}</summary>")
                     parts.append(f"<pre>{html.escape(stack)}</pre></details>")
+    evidence = hang_verdict_lines(report) + flight_recorder_lines(report)
+    if evidence:
+        parts.append("<h2>Hang verdict and PyTorch's evidence</h2>")
+        parts.append("<pre>" + html.escape("\n".join(evidence).strip("\n")) + "</pre>")
     if "attribution" in report:
         parts.append(f"<h2>What-if replay: S = {report['job_slowdown']} ({html.escape(report['whatif_verdict'])})</h2>")
         for key, cols in (("workers", [("rank", "rank"), ("dp_rank", "dp rank"), ("stage", "stage"),

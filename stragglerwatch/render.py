@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .hangrender import flight_recorder_lines, hang_verdict_lines
+
 MAX_TABLE_ROWS = 16
 
 
@@ -96,7 +98,10 @@ def hang_line(h: dict[str, Any]) -> str:
         text += "; the culprits are themselves blocked in a collective: one the others never issue (mismatch)?"
     if h.get("waited_s"):
         text += f"; noticed after {h['waited_s']:.1f} s"
-    if h.get("evidence") != "shutdown":
+    if h.get("ended"):
+        reason = (h["ended"].get("reasons") or ["?"])[0]
+        text += f"; the job went down while it lasted ({reason[:120]})"
+    elif h.get("evidence") != "shutdown":
         text += "; it recovered" if h.get("recovered") else "; no recovery recorded"
     return text + "."
 
@@ -174,8 +179,10 @@ def _wrap(line: str, width: int) -> list[str]:
 
 
 def render_text(report: dict[str, Any], width: int = 80) -> str:
-    if not report["ranks_seen"] and not report.get("hangs"):  # PyTorch logs alone
-        return "\n".join(pytorch_log_lines(report, width)[1:])
+    pytorch = [x for line in pytorch_log_lines(report, width) + flight_recorder_lines(report)
+               + hang_verdict_lines(report) for x in (_wrap(line, width) if line else [line])]  # fmt: skip
+    if not report["ranks_seen"] and not report.get("hangs"):  # PyTorch's evidence alone
+        return "\n".join(pytorch[1:])
     head = (
         f"run {report.get('run_id') or '?'}: {report['ranks_seen']} of {report['world_size']} ranks, "
         f"{report['steps']} steps"
@@ -184,7 +191,7 @@ def render_text(report: dict[str, Any], width: int = 80) -> str:
     for line in verdict_lines(report):
         lines += _wrap(line, width)
     lines += whatif_lines(report, width)
-    lines += pytorch_log_lines(report, width)
+    lines += pytorch
     for h in report.get("hangs", []):
         for rank, stacks in (h.get("stacks") or {}).items():
             lines += ["", f"rank {rank}, main thread, when the stall was noticed:"]

@@ -120,6 +120,8 @@ class Report:
     first_failure: dict[str, Any] | None = None
     log_lines: int | None = None
     log_skipped_lines: int | None = None
+    flight_recorder: dict[str, Any] | None = None  # with Flight Recorder dumps: ``flightrec.analyze_dumps``
+    hang_verdict: dict[str, Any] | None = None  # ``hangverdict.reconcile`` over every source
     extra: dict[str, Any] = field(default_factory=dict)  # an op-level trace's what-if
     schema: str = REPORT_SCHEMA
 
@@ -153,7 +155,8 @@ class Report:
 
 
 #: Keys the JSON has only when the analysis had their source.
-_OPTIONAL = {"run_dir", "events", "attempts", "log_events", "first_failure", "log_lines", "log_skipped_lines"}
+_OPTIONAL = {"run_dir", "events", "attempts", "log_events", "first_failure", "log_lines", "log_skipped_lines",
+             "flight_recorder", "hang_verdict"}
 
 
 def _plain(value: Any) -> Any:

@@ -307,6 +307,7 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
             timeout_s=cfg.watchdog_timeout_s, wall_anchor=watch._wall_anchor,
             flush=lambda: writer.flush(lock_timeout_s=1.0), native=native,
             ids={"restart": info.restart, "attach": info.attach}, problems=problems,
+            fr_path=info.run_dir / f"flightrec-{info.rank:05d}.pkl",
         )  # fmt: skip
     if cfg.context_interval_s:
         gpu = _cuda_index(_model_device(model)) if on_gpu else None

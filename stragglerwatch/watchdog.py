@@ -28,6 +28,12 @@ before or after attach, always runs to completion.
 A rank stuck in native code while holding the GIL stops this thread too: then
 :class:`NativeStacks` (``faulthandler`` on a timer this thread keeps re-arming) writes
 every thread's stack to ``stacks-NNNNN.txt``.
+
+Flight Recorder: at each stall, after the diagnosis, the rank also writes PyTorch's own record of
+its last collectives (``flightrec-NNNNN.pkl``, torch's writer, the format ProcessGroupNCCL dumps on
+a timeout; gloo records too) when Flight Recorder records (on by default in recent torch, else
+``TORCH_FR_BUFFER_SIZE``), so that ``analyze`` can put PyTorch's evidence beside ours. The latest
+stall's dump replaces the previous.
 """
 
 from __future__ import annotations
@@ -61,6 +67,30 @@ def thread_stacks(limit: int = 40) -> dict[str, str]:
     for ident, frame in sys._current_frames().items():
         out[f"{names.get(ident, 'thread')} ({ident})"] = "".join(traceback.format_stack(frame, limit=limit))
     return out
+
+
+def dump_flight_recorder(path: Path) -> int | None:
+    """Write this process's Flight Recorder buffer to ``path`` (torch's pickle, replaced atomically);
+    the number of entries, or None when there is no multi-rank job, no Flight Recorder in this torch,
+    or nothing recorded. Without the stacks of the entries: symbolising them holds the GIL for up to
+    a second at a time (seconds in all), while the dump without them takes ~25 ms for 2,000 entries."""
+    try:
+        import pickle
+
+        import torch.distributed as dist
+        from torch._C._distributed_c10d import _dump_fr_trace
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None  # a buffer left by an earlier group of this process says nothing of this job
+    data = _dump_fr_trace(includeStackTraces=False)
+    entries = len(pickle.loads(data, fix_imports=False).get("entries") or [])  # torch's own bytes, no classes
+    if not entries:
+        return None
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return entries
 
 
 class EventFile:
@@ -177,8 +207,10 @@ class Watchdog:
         native: NativeStacks | None = None,
         ids: dict[str, Any] | None = None,
         problems: Problems | None = None,
+        fr_path: Path | None = None,
     ):
         self.probe = probe
+        self.fr_path = fr_path  # where the Flight Recorder dump goes at a stall; None: none
         self.native = native
         self.ids = ids or {}  # restart and attach, on every event
         self.problems = problems or Problems()
@@ -296,6 +328,19 @@ class Watchdog:
                          threshold_s=round(threshold, 3), collectives=collective_counts(),
                          stacks=thread_stacks())  # fmt: skip
         self._diagnose(ev, grace_s=max(2.0, 2 * statistics.median(self.probe.recent_steps or [0.0])))
+        self._flight_recorder(stall_id)
+
+    def _flight_recorder(self, stall_id: str) -> None:
+        if self.fr_path is None:
+            return
+        try:
+            entries = dump_flight_recorder(self.fr_path)
+        except Exception as exc:
+            self.errors += 1
+            self.problems.report("flight_recorder", f"flight recorder dump: {type(exc).__name__}: {exc}")
+            return
+        if entries:
+            self._event("flight_recorder", stall_id=stall_id, file=self.fr_path.name, entries=entries)
 
     def _diagnose(self, stall: dict[str, Any], grace_s: float) -> None:
         own = {"step": stall["step"], "phase": stall["phase"], "since": stall["since"], "at": stall["detected_at"],

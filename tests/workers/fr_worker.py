@@ -1,0 +1,76 @@
+"""A small gloo job that leaves real Flight Recorder dumps (torch's own writer) for the tests.
+
+Every rank runs a few collectives on the world group and on a subgroup of ranks 0 and 1, then
+one of these endings; a thread writes this rank's Flight Recorder buffer as torch's pickle
+(``_dump_fr_trace``) and JSON (``_dump_fr_trace_json``) into OUT_DIR and ends the process,
+since a hung collective never returns:
+
+- ``skip``: rank ``--culprit`` never issues the last all-reduce (it sleeps); the others wait in it;
+- ``mismatch``: rank 1 issues a broadcast where the others issue an all-reduce;
+- ``slow``: rank 1 enters each of 12 more all-reduces 50 ms after the others, then all finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
+
+
+def dump_and_exit(out: Path, rank: int, after_s: float) -> None:
+    time.sleep(after_s)
+    (out / f"pickle/rank_{rank}").write_bytes(_dump_fr_trace())
+    (out / f"json/rank_{rank}.json").write_bytes(_dump_fr_trace_json())
+    time.sleep(1.0)  # every rank has dumped before any leaves (a leaving peer fails the others' collectives)
+    os._exit(0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out_dir")
+    p.add_argument("mode", choices=("skip", "mismatch", "slow"))
+    p.add_argument("--culprit", type=int, default=1)
+    args = p.parse_args()
+    out = Path(args.out_dir)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    (out / "pickle").mkdir(parents=True, exist_ok=True)
+    (out / "json").mkdir(parents=True, exist_ok=True)
+    sub = dist.new_group([0, 1])
+    x = torch.ones(64)
+    for _ in range(3):
+        dist.all_reduce(x)
+        if rank in (0, 1):
+            dist.broadcast(x, 0, group=sub)
+    if args.mode == "slow":
+        for _ in range(12):
+            if rank == 1:
+                time.sleep(0.05)
+            dist.all_reduce(x)
+        dist.barrier()
+    threading.Thread(target=dump_and_exit, args=(out, rank, 0.5 if args.mode == "slow" else 2.0), daemon=True).start()
+    try:
+        if args.mode == "skip":
+            if rank == args.culprit:
+                time.sleep(60)
+            else:
+                dist.all_reduce(x)
+        elif args.mode == "mismatch":
+            if rank == 1:
+                dist.broadcast(x, 1)
+            else:
+                dist.all_reduce(x)
+    except RuntimeError:
+        pass  # a peer left after dumping; the dump thread ends the process
+    time.sleep(60)
+
+
+if __name__ == "__main__":
+    main()
