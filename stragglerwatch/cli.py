@@ -357,6 +357,37 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_simulate)
 
 
+def _add_control(sub: argparse._SubParsersAction) -> None:
+    def run(args: argparse.Namespace) -> int:
+        from .control import ControlError
+        from .controlfile import command
+
+        try:
+            return command(args.run_dir, args.set, args.rank, args.wait)
+        except ControlError as exc:
+            print(f"stragglerwatch: error: {exc}", file=sys.stderr)
+            return 2
+
+    p = sub.add_parser(
+        "control",
+        help="change a running job's recording, watchdog threshold or flush interval, or show who did",
+        description="Change settings of the ranks of a running job without a restart, through the run dir "
+        "(works with every torch; with a torch that has the debug server, attach(debug_server_port=P) also "
+        "gives a page to do it). With --set, append a request to RUN_DIR/control.json: each rank looks at it "
+        "every control_interval_s (1 s), applies it and answers in control-ack-NNNNN.json; the command waits "
+        "up to --wait seconds for the answers. Without --set, show the latest requests and which ranks "
+        "applied, refused or have not answered them. Requests made before a rank attached are not applied.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run dir of the running job")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="recording=on|off, watchdog_timeout_s=SECONDS|auto, flush_interval_s=SECONDS "
+                   "(repeatable; all applied or none)")  # fmt: skip
+    p.add_argument("--rank", type=int, help="only this rank (default: every rank)")
+    p.add_argument("--wait", type=float, default=5.0, metavar="SECONDS",
+                   help="how long to wait for the ranks' answers after --set (default 5; 0: do not wait)")  # fmt: skip
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stragglerwatch",
@@ -381,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prometheus_config(sub)
     _add_grafana(sub)
     _add_dashboard(sub)
+    _add_control(sub)
     return parser
 
 

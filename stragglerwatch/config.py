@@ -24,10 +24,26 @@ ENV = {
     "prometheus_addr": "STRAGGLERWATCH_PROMETHEUS_ADDR",
     "prometheus_mode": "STRAGGLERWATCH_PROMETHEUS_MODE",
     "sd_dir": "STRAGGLERWATCH_SD_DIR",
+    "debug_server_port": "STRAGGLERWATCH_DEBUG_SERVER_PORT",
+    "debug_server_host": "STRAGGLERWATCH_DEBUG_SERVER_HOST",
 }
 DISABLE_ENV = "STRAGGLERWATCH_DISABLE"
 #: Values of ``prometheus_mode``: the exporter's series (``exporter.py``'s docstring).
 MODES = ("full", "lean")
+
+
+def _env_port(from_env: dict[str, Any], name: str, lowest: int, consequence: str, problems: Problems | None) -> None:
+    """``from_env[name]`` as a port number (at least ``lowest``); a value that is not one is reported and dropped."""
+    if name not in from_env:
+        return
+    try:
+        from_env[name] = int(from_env[name])
+        if not lowest <= from_env[name] < 65536:
+            raise ValueError
+    except ValueError:
+        if problems is not None:
+            problems.report("config", f"{ENV[name]}={from_env[name]!r} is not a port: {consequence}")
+        del from_env[name]
 
 
 class ConfigError(ValueError):
@@ -101,6 +117,21 @@ class Config:
     power and errors through NVML), taken on a background thread into ``context-NNNNN.arrows``.
     At least 1 s; ``0`` turns the sampler off."""
 
+    debug_server_port: int | None = None
+    """Serve this rank's live state and runtime controls in PyTorch's debug server
+    (``$STRAGGLERWATCH_DEBUG_SERVER_PORT``; ``debugserver.py``): every rank starts a worker server on
+    an ephemeral port, and rank 0 the frontend on this port (``0``: an ephemeral one, logged), with the
+    page ``/stragglerwatch``. Default: none (opt-in)."""
+
+    debug_server_host: str | None = None
+    """The debug server's bind address, for the ranks' worker servers and rank 0's frontend
+    (``$STRAGGLERWATCH_DEBUG_SERVER_HOST``). Default ``127.0.0.1``: only this machine can connect;
+    give the node's address (on a trusted network) for a job of several nodes."""
+
+    control_interval_s: float = 1.0
+    """How often the rank looks (one ``stat``) for a new request in the run dir's ``control.json``,
+    written by ``stragglerwatch control RUN_DIR --set ...``; ``0`` turns the control file off."""
+
     enabled: bool = True
     """``False`` (or ``$STRAGGLERWATCH_DISABLE=1``) makes ``attach`` a no-op returning an inert handle."""
 
@@ -123,16 +154,7 @@ class Config:
             value = env.get(var, "").strip()
             if value and getattr(config, name) is None:
                 from_env[name] = value
-        if "prometheus_port" in from_env:
-            try:
-                from_env["prometheus_port"] = int(from_env["prometheus_port"])
-                if not 0 < from_env["prometheus_port"] < 65536:
-                    raise ValueError
-            except ValueError:
-                if problems is not None:
-                    problems.report("config", f"{ENV['prometheus_port']}={from_env['prometheus_port']!r} is not a "
-                                    "port: no exporter")  # fmt: skip
-                del from_env["prometheus_port"]
+        _env_port(from_env, "prometheus_port", 1, "no exporter", problems)
         if "prometheus_mode" in from_env:
             from_env["prometheus_mode"] = from_env["prometheus_mode"].lower()
             if from_env["prometheus_mode"] not in MODES:
@@ -140,6 +162,7 @@ class Config:
                     problems.report("config", f"{ENV['prometheus_mode']}={from_env['prometheus_mode']!r} is not "
                                     "'full' or 'lean': the exporter serves the full series")  # fmt: skip
                 del from_env["prometheus_mode"]
+        _env_port(from_env, "debug_server_port", 0, "no debug server", problems)
         if env.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
             from_env["enabled"] = False
         known = {f.name for f in fields(cls)}
@@ -162,5 +185,10 @@ class Config:
             raise ConfigError(f"context_interval_s must be >= 1 (or 0: no sampling), not {self.context_interval_s}")
         if self.prometheus_port is not None and not 0 < int(self.prometheus_port) < 65536:
             raise ConfigError(f"prometheus_port {self.prometheus_port} is not a port")
+        if self.debug_server_port is not None and not 0 <= int(self.debug_server_port) < 65536:
+            raise ConfigError(f"debug_server_port {self.debug_server_port} is not a port (0: an ephemeral one)")
+        if self.control_interval_s != 0 and not self.control_interval_s >= 0.1:
+            raise ConfigError(f"control_interval_s must be >= 0.1 (or 0: no control file), "
+                              f"not {self.control_interval_s}")
         if self.prometheus_mode is not None and self.prometheus_mode not in MODES:
             raise ConfigError(f"prometheus_mode must be 'full' or 'lean', not {self.prometheus_mode!r}")

@@ -120,6 +120,7 @@ class EventLogWriter:
         self._pending: deque[StepMarks] = deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Condition()  # wakes the log thread's wait: a new interval, or close
         self._file: Any = None
         self._writer: pa.RecordBatchStreamWriter | None = None
         self._synced_at = time.monotonic()
@@ -130,11 +131,31 @@ class EventLogWriter:
         self._queue.append(marks)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.flush_interval_s):
+        while not self._sleep():
             try:
                 self.flush()
             except Exception as exc:  # never let the thread die of our own bug
                 self._fail("thread", f"step log thread: {type(exc).__name__}: {exc}")
+
+    def _sleep(self) -> bool:
+        """Wait one flush interval, counted from the start of the wait and re-read whenever
+        :meth:`set_flush_interval` changes it (so a change applies within the current wait);
+        True once the writer is closing."""
+        start = time.monotonic()
+        with self._wake:
+            while not self._stop.is_set():
+                left = start + self.flush_interval_s - time.monotonic()
+                if left <= 0:
+                    return False
+                self._wake.wait(left)
+        return True
+
+    def set_flush_interval(self, seconds: float) -> None:
+        """Change how often the log thread writes (runtime control); the current wait is cut short
+        or extended at once, without restarting the thread."""
+        with self._wake:
+            self.flush_interval_s = float(seconds)
+            self._wake.notify_all()
 
     def flush(self, block: bool = False, lock_timeout_s: float = -1) -> None:
         """Write every step whose marks are resolved (all of them when ``block``); gives up
@@ -216,6 +237,8 @@ class EventLogWriter:
     def close(self) -> None:
         """Stop the thread, write every remaining step, compact to Parquet."""
         self._stop.set()
+        with self._wake:
+            self._wake.notify_all()
         self._thread.join(timeout=10)
         self.flush(block=True)
         with self._lock:

@@ -37,6 +37,19 @@ def collective_counts() -> dict[str, int]:
         return {}
 
 
+def default_store_address() -> tuple[str, int] | None:
+    """Host and port of the default process group's TCPStore (under any prefix stores), or None."""
+    try:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        while hasattr(store, "underlying_store"):
+            store = store.underlying_store
+        return str(store.host), int(store.port)
+    except Exception:
+        return None
+
+
 class PeerBoard:
     """This job's progress notes in its c10d store: ``stragglerwatch/<run>/where/<rank>``."""
 
@@ -48,19 +61,7 @@ class PeerBoard:
         self.errors = 0
         self.operations = 0  # store operations made to read the peers (for the load benchmark)
         self._client: Any = None
-        self._address: tuple[str, int] | None = self._store_address()
-
-    @staticmethod
-    def _store_address() -> tuple[str, int] | None:
-        try:
-            import torch.distributed as dist
-
-            store = dist.distributed_c10d._get_default_store()
-            while hasattr(store, "underlying_store"):
-                store = store.underlying_store
-            return str(store.host), int(store.port)
-        except Exception:
-            return None
+        self._address: tuple[str, int] | None = default_store_address()
 
     def _store(self) -> Any:
         if self._client is None and self._address is not None:

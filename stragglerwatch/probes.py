@@ -39,6 +39,13 @@ Boundaries:
 When a part of the signal cannot be seen (no output needing a gradient, no
 backward from the outputs, compiled autograd, a multi-rank job with no
 communication seen), the probe notes the reason once in ``unavailable``.
+
+Recording on/off at run time (``recording``, set from any thread by ``control.py``) is
+applied by the training thread at step ends only, so no step is ever cut: turned off, the
+step in progress is still recorded and the hooks go idle after it ends (``where`` says
+``idle``, so the watchdog waits too); while off, the end of each step is still counted by
+the optimizer post-hook (the step numbers of later records stay those of the peers);
+turned on again, recording resumes with the step that starts at the next step end.
 """
 
 from __future__ import annotations
@@ -179,6 +186,8 @@ class StepProbe:
         self.faults = 0  # failures of our own hooks, never raised into the loop
         self.unavailable: dict[str, str] = {}  # what of the signal cannot be seen, and why
         self.enabled = True
+        self.recording = True  # wanted (runtime control); applied by the training thread at a step end
+        self._paused = False  # recording is off: hooks idle, step ends only counted
         # where the training thread is, for the watchdog thread: (step, phase, since), one
         # tuple assigned at once so that a reader never sees a torn update
         self.where: tuple[int, str, float] = (0, "idle", self._now())
@@ -189,6 +198,11 @@ class StepProbe:
     def steps(self) -> int:
         """Optimizer steps completed so far."""
         return self._next_step
+
+    @property
+    def paused(self) -> bool:
+        """Recording is off (``recording``, applied at a step end): the hooks idle, steps only counted."""
+        return self._paused
 
     def _at(self, host: float) -> Any:
         """A mark for host time ``host`` (the host clock itself, or a new device event)."""
@@ -424,6 +438,8 @@ class StepProbe:
     @_guarded
     def on_optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.enabled:
+            if self._paused:
+                self._opt_calls += 1  # GradScaler's skip check (scaler_end) counts calls while paused too
             return
         self._opt_depth += 1
         if self._opt_depth > 1:  # stepped by another optimizer's step (a wrapper): counted once
@@ -440,6 +456,8 @@ class StepProbe:
     @_guarded
     def on_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.enabled or self._opt_depth == 0:
+            if self._paused and id(optimizer) == self._ender:
+                self._paused_step_end()
             return
         self._opt_depth -= 1
         m = self._cur
@@ -456,19 +474,42 @@ class StepProbe:
             self._cur = StepMarks(m.step + 1, end, host, self._data_from_gap)
             self.where = (m.step + 1, "data_wait" if self._data_from_gap else "other", host)
             self._emit(m, host)
+            if not self.recording:
+                self._pause(host)
         elif self._ender is None:
             self._cut = (m.lengths(), end, host, oid)
 
     @_guarded
     def scaler_begin(self, optimizer: Any) -> Any:
-        return self._opt_calls if self.enabled else None
+        return self._opt_calls if self.enabled or self._paused else None
 
     @_guarded
     def scaler_end(self, token: Any, optimizer: Any) -> None:
         """After ``GradScaler.step``: an optimizer it skipped (inf/NaN) still ended an iteration."""
-        if token is not None and self.enabled and self._opt_calls == token and self._opt_depth == 0:
+        active = self.enabled or self._paused
+        if token is not None and active and self._opt_calls == token and self._opt_depth == 0:
             self.on_optimizer_pre(optimizer, (), {})
             self.on_optimizer_post(optimizer, (), {})
+
+    def _pause(self, host: float) -> None:
+        """Recording turned off, at a step end: the hooks go idle (the watchdog with them)."""
+        self._paused, self.enabled, self._cur = True, False, None
+        self.where = (self._next_step, "idle", host)
+
+    def _paused_step_end(self) -> None:
+        """A step ended while recording is off: count it; resume if recording is wanted again,
+        with the step that starts now (a clean boundary, as at any step end)."""
+        self._next_step += 1
+        host = self._now()
+        if not self.recording:
+            self.where = (self._next_step, "idle", host)
+            return
+        self._fwd_open = self._eval_fwd = self._eval_open = self._in_backward = False
+        self._comm_depth = self._opt_depth = 0
+        self._stepped.clear()
+        self._cur = StepMarks(self._next_step, self._at(host), host, self._data_from_gap)
+        self.where = (self._next_step, "data_wait" if self._data_from_gap else "other", host)
+        self._paused, self.enabled = False, True
 
     def _end_at_cut(self) -> None:
         cut, end, host, oid = self._cut  # type: ignore[misc]

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .config import Config
+from .control import Controls
 from .coverage import UnavailableNotes, unseen_communication
 from .ctxmetrics import ContextCollector
 from .eventlog import EventLogWriter, log_path
@@ -84,6 +85,7 @@ class Watch:
         self._exporter: Exporter | None = None
         self._context: ContextSampler | None = None
         self._notes: UnavailableNotes | None = None
+        self._controls: Controls | None = None
         self._handles: list[Any] = []
         self._last: Any = None  # the latest step record written
         self._closed = info is None
@@ -98,8 +100,17 @@ class Watch:
 
     @property
     def steps(self) -> int:
-        """Optimizer steps recorded so far on this rank."""
+        """Optimizer steps taken so far on this rank (recorded, or counted while recording was off)."""
         return self._probe.steps if self._probe else 0
+
+    @property
+    def controls(self) -> Controls:
+        """Runtime control of this rank without a restart (``recording``, ``watchdog_timeout_s``,
+        ``flush_interval_s``: ``controls.apply({"watchdog_timeout_s": "3"})``) and its live state
+        (``controls.state()``); see ``control.py``."""
+        if self._controls is None:
+            self._controls = Controls(self)
+        return self._controls
 
     def stats(self) -> dict[str, Any]:
         """Counters: steps written/dropped, write errors, watchdog timeouts by phase, whether the
@@ -173,6 +184,8 @@ class Watch:
         self._closed = True
         atexit.unregister(self.close)
         steps: list[tuple[str, Callable[[], Any]]] = []
+        if self._controls is not None:
+            steps.append(("stop the runtime controls", self._controls.close))
         if self._probe is not None:
             self._probe.enabled = False
             steps.append(("finish the last step", self._probe.finish_pending))
@@ -348,6 +361,7 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
         watch._watchdog.start()
     if watch._context is not None:
         watch._context.start()
+    watch.controls.start(cfg.control_interval_s, cfg.debug_server_port, cfg.debug_server_host)
 
 
 __all__ = ["Watch", "attach", "TimedIterable"]
