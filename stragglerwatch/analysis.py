@@ -268,7 +268,15 @@ def add_flight_recorder(report: dict[str, Any], source: str | Path | None) -> No
         dumps = load_dumps(run_dir, FR_DUMPS)
     else:
         return
-    report["flight_recorder"] = analyze_dumps(dumps, report.get("world_size") or None)
+    report["flight_recorder"] = analyze_dumps(dumps, report.get("world_size") or _world_from_logs(report) or None)
+
+
+def _world_from_logs(report: dict[str, Any]) -> int:
+    """Without a run dir, the ranks PyTorch's logs name tell the world size (at least): a rank that
+    left no dump, and whose group lists no members (gloo), is then still known to exist."""
+    ranks = [r for e in report.get("log_events") or [] for r in (e.get("rank"), e.get("peer_rank"),
+             *(e.get("failed_ranks") or []), *(e.get("ranks") or [])) if isinstance(r, int)]  # fmt: skip
+    return max(ranks) + 1 if ranks else 0
 
 
 def add_hang_verdict(report: dict[str, Any]) -> None:

@@ -75,6 +75,16 @@ def _completed(d: Dump, group: str, seqs: dict[int, list[Entry]]) -> int | None:
     return None
 
 
+def _started(d: Dump, group: str, seqs: dict[int, list[Entry]], seq: int) -> bool | None:
+    """Whether collective ``seq`` started on the rank's device (NCCL records it; gloo does not: None)."""
+    st = (d.status.get(group) or {}).get("started")
+    if st is not None and st >= 0:
+        return st >= seq
+    if _tracks_states(d) and seq in seqs:
+        return any(e.state in ("started", "completed") for e in seqs[seq])
+    return None
+
+
 def _op(es: list[Entry]) -> str:
     return "+".join(dict.fromkeys(e.op for e in es))
 
@@ -162,6 +172,9 @@ def _group_state(group: str, dumps: dict[int, Dump], world_size: int) -> dict[st
             seq = None
         if seq is not None:
             state["stuck"] = _stuck(seq, per_rank, issued, unknown)
+            started = {r: _started(dumps[r], group, per_rank[r], seq) for r in state["stuck"]["entered"]}
+            if any(started.values()):  # some devices run it, others never got to it: they are behind
+                state["stuck"]["not_started"] = sorted(r for r, v in started.items() if v is False)
     state["mismatches"] = _mismatches(group, per_rank)
     upto = (state["stuck"]["seq"] - 1) if state["stuck"] else max(issued.values(), default=0)
     state["entry_lag"] = _entry_lags(per_rank, upto)
@@ -257,10 +270,21 @@ def _verdict(groups: list[dict[str, Any]], by_rank: dict[int, Dump], world_size:
     mism = next((m for m in main["mismatches"] if m["seq"] == s["seq"] and m["odd_ranks"]), None)
     if mism and not s["missing"]:
         culprits, basis = mism["odd_ranks"], "mismatch"
+    elif not s["missing"] and not s["no_dump"] and s.get("not_started"):
+        culprits, basis = s["not_started"], "not started on the device"
     else:
         basis = ("collective counts" if not set(culprits) & unknown else "no dump") if culprits else "none missing"
+    waiting = {r for g in stuck for r in g["stuck"]["entered"]}
     if basis == "mismatch" and mism:
         summary = f"rank(s) {ranks_text(culprits)} issued another collective than the others: {_mismatch_text(mism)}"
+    elif basis == "collective counts" and len(culprits) > 1 and set(culprits) <= waiting:
+        basis = "cycle of waits"
+        blocked = {r: sorted({w for g in stuck if r in g["stuck"]["missing"] for w in g["stuck"]["entered"]})
+                   for r in culprits}  # fmt: skip
+        culprits = sorted(culprits, key=lambda r: (-len(blocked[r]), r))
+        summary = (f"rank(s) {ranks_text(culprits)} wait for each other: collectives issued in another order on "
+                   "different groups; " + "; ".join(f"rank {r} holds up {ranks_text(blocked[r])}" for r in culprits)
+                   + ". " + "; ".join(_stuck_text(g, []) for g in stuck))  # fmt: skip
     else:
         summary = _stuck_text(main, culprits) + ("; " + _mismatch_text(mism) if mism else "")
     return {"culprit_ranks": culprits, "victim_ranks": sorted(r for r in speaking if r not in culprits),
@@ -284,9 +308,12 @@ def _stuck_text(g: dict[str, Any], culprits: list[int]) -> str:
         parts.append(f"never by rank(s) {ranks_text(s['missing'])} ({lasts})")
     if s["no_dump"]:
         parts.append(f"rank(s) {ranks_text(s['no_dump'])} left no dump")
+    if s.get("not_started"):
+        parts.append(f"rank(s) {ranks_text(s['not_started'])} issued it but never started it on the device, "
+                     "while the others did: they are behind (busy, or stuck in earlier work)")  # fmt: skip
     if s.get("late"):
         parts.append(f"rank(s) {ranks_text(s['late'])} entered after the first entrant's timeout")
-    if not s["missing"] and not s["no_dump"]:
+    if not s["missing"] and not s["no_dump"] and not s.get("not_started"):
         parts.append("every member entered it and none completed it: the collective itself (transport, network "
                      "or a rank slow inside it) is stuck, no rank is missing")  # fmt: skip
     lead = f"rank(s) {ranks_text(culprits)} hold the job up: " if culprits else ""

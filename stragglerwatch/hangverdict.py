@@ -31,7 +31,8 @@ def _from_fr(fr: dict[str, Any] | None) -> dict[str, Any] | None:
     if not fr or not fr.get("verdict"):
         return None
     v = fr["verdict"]
-    strength = 5 if v["basis"] in ("collective counts", "mismatch") else 2 if v["culprit_ranks"] else 0
+    decisive = ("collective counts", "mismatch", "not started on the device", "cycle of waits")
+    strength = 5 if v["basis"] in decisive else 2 if v["culprit_ranks"] else 0
     entered = set()
     c = v.get("collective")
     for g in fr.get("groups", []):

@@ -41,6 +41,11 @@ def mismatch_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def order_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return fr_job(tmp_path_factory, "order")
+
+
+@pytest.fixture(scope="module")
 def slow_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fr_job(tmp_path_factory, "slow")
 
@@ -97,6 +102,14 @@ def test_mismatched_operation_names_the_odd_rank(mismatch_job: Path, capsys: pyt
     assert r["hang_verdict"]["culprit_ranks"] == [1]
 
 
+def test_collectives_in_another_order_are_a_cycle(order_job: Path) -> None:
+    """Rank 1 all-reduces on the subgroup {0, 1} where ranks 0 and 2 all-reduce on the world: rank 1 holds
+    up 0 and 2 in the world group, rank 0 holds up 1 in the subgroup."""
+    v = analyze_dumps(load_dumps(order_job / "json"))["verdict"]
+    assert v["basis"] == "cycle of waits" and v["culprit_ranks"] == [1, 0], "the rank holding up most, first"
+    assert "rank 1 holds up 0, 2; rank 0 holds up 1" in v["summary"]
+
+
 def test_a_rank_entering_late_is_shown_and_no_hang_is_invented(
     slow_job: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -111,12 +124,18 @@ def test_a_rank_entering_late_is_shown_and_no_hang_is_invented(
     assert "rank 1 entered last in" in capsys.readouterr().out
 
 
-def test_missing_dumps(skip_job: Path, tmp_path: Path) -> None:
+def test_missing_dumps(skip_job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     victim_gone = tmp_path / "a"
     shutil.copytree(skip_job / "pickle", victim_gone)
     (victim_gone / "rank_2").unlink()
     fr = analyze_dumps(load_dumps(victim_gone), world_size=3)
     assert fr["no_dump"] == [2] and fr["verdict"]["culprit_ranks"] == [1], "the others' counts still decide"
+    # without a run dir, gloo's dumps do not say how many ranks there are; the logs do
+    log = tmp_path / "rank2.log"
+    log.write_text("[rank2]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                   "waiting 60000ms for recv operation to complete\n")  # fmt: skip
+    fr = analyze(capsys, "--fr", str(victim_gone), "--logs", str(log))["flight_recorder"]
+    assert fr["world_size"] == 3 and fr["no_dump"] == [2] and fr["verdict"]["culprit_ranks"] == [1]
     culprit_gone = tmp_path / "b"
     shutil.copytree(skip_job / "pickle", culprit_gone)
     (culprit_gone / "rank_1").unlink()
@@ -174,6 +193,17 @@ def test_nccl_layout(skip_job: Path, tmp_path: Path) -> None:
     assert fr["verdict"]["culprit_ranks"] == [1] and fr["verdict"]["collective"]["op"] == "all_reduce"
     assert {g["group"]: g["members_from"] for g in fr["groups"]} == {"0": "pg_config", "1": "pg_config"}
     assert fr["groups"][0]["completed"] == {"0": 3, "1": 3, "2": 3}, "completion from the entries' states"
+    # every rank issued #4, but rank 1's device never started it while the others' did (an NCCL straggler
+    # stuck in earlier GPU work): the issued counts are equal, the states decide
+    raws = {r: _nccl_like(pickle.loads((skip_job / "pickle" / f"rank_{r}").read_bytes())) for r in range(3)}
+    pending = next(e for e in raws[0]["entries"] if e["collective_seq_id"] == 4 and e["process_group"][0] == "0")
+    raws[1]["entries"].append({**pending, "state": "scheduled", "record_id": len(raws[1]["entries"])})
+    for r, raw in raws.items():
+        (tmp_path / f"nccl_trace_rank_{r}").write_bytes(pickle.dumps(raw))
+    fr = analyze_dumps(load_dumps(tmp_path))
+    v = fr["verdict"]
+    assert v["culprit_ranks"] == [1] and v["basis"] == "not started on the device" and v["collective"]["seq"] == 4
+    assert fr["groups"][0]["stuck"]["missing"] == [] and fr["groups"][0]["stuck"]["not_started"] == [1]
 
 
 class _Evil:

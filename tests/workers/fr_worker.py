@@ -7,7 +7,9 @@ since a hung collective never returns:
 
 - ``skip``: rank ``--culprit`` never issues the last all-reduce (it sleeps); the others wait in it;
 - ``mismatch``: rank 1 issues a broadcast where the others issue an all-reduce;
-- ``slow``: rank 1 enters each of 12 more all-reduces 50 ms after the others, then all finish.
+- ``slow``: rank 1 enters each of 12 more all-reduces 50 ms after the others, then all finish;
+- ``order``: rank 1 issues an all-reduce on the subgroup where the others issue one on the world
+  (collectives in another order: ranks 0 and 1 each wait for the other).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def dump_and_exit(out: Path, rank: int, after_s: float) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out_dir")
-    p.add_argument("mode", choices=("skip", "mismatch", "slow"))
+    p.add_argument("mode", choices=("skip", "mismatch", "slow", "order"))
     p.add_argument("--culprit", type=int, default=1)
     args = p.parse_args()
     out = Path(args.out_dir)
@@ -62,6 +64,8 @@ def main() -> None:
                 time.sleep(60)
             else:
                 dist.all_reduce(x)
+        elif args.mode == "order":
+            dist.all_reduce(x, group=sub if rank == 1 else None)
         elif args.mode == "mismatch":
             if rank == 1:
                 dist.broadcast(x, 1)
