@@ -4,7 +4,8 @@ Flight Recorder keeps, per process, a ring buffer of the last collectives of eve
 (``TORCH_FR_BUFFER_SIZE``, formerly ``TORCH_NCCL_TRACE_BUFFER_SIZE``). It is written:
 
 - by ProcessGroupNCCL on a watchdog timeout, to ``$TORCH_FR_DUMP_TEMP_FILE<rank>`` (formerly
-  ``$TORCH_NCCL_DEBUG_INFO_TEMP_FILE``, default ``/tmp/nccl_trace_rank_<rank>``), as a pickle;
+  ``$TORCH_NCCL_DEBUG_INFO_TEMP_FILE``; default ``~/.cache/torch/comm_lib_trace_rank_<rank>``, in
+  older releases ``/tmp/nccl_trace_rank_<rank>``), as a pickle;
 - on demand by ``torch._C._distributed_c10d._dump_fr_trace()`` (pickle bytes) or
   ``_dump_fr_trace_json()`` (JSON), which also serve the debug server's ``fr_trace_json`` page;
 - by stragglerwatch's watchdog at a stall, with torch's own writer, to ``flightrec-NNNNN.pkl`` in
