@@ -98,12 +98,16 @@ def _explain(src: dict[str, Any], decided: dict[str, Any]) -> tuple[bool, str]:
     if src["source"] == "pytorch logs" and src["basis"] == "root cause":
         return True, (f"torchrun's root cause (rank(s) {sorted(named)}) is the first process to exit, which is "
                       f"usually a victim whose collective timed out; {dname} decides who was behind")  # fmt: skip
-    if named and named <= set(src.get("unknown") or []) and culprits:
+    extra, unheard, unrecorded = named - culprits, set(src.get("unknown") or []), set(decided.get("unknown") or [])
+    if named and named <= unheard and culprits:
         return True, (f"{name} could only name rank(s) {sorted(named)} as silent (no record from them); {dname} "
                       f"has their data and names {sorted(culprits)}")  # fmt: skip
-    if culprits <= set(src.get("unknown") or []) | named and named - culprits <= set(decided.get("unknown") or []):
-        return True, (f"{name} also names rank(s) {sorted(named - culprits)}, of which {dname} has no record: "
-                      f"unknown there, not cleared")  # fmt: skip
+    if culprits <= named and extra <= unheard:
+        return True, (f"{name} also names rank(s) {sorted(extra)} because it heard nothing from them (silent); "
+                      f"{dname} has their records and does not blame them")  # fmt: skip
+    if culprits <= named | unheard and extra <= unrecorded:
+        return True, (f"{name} also names rank(s) {sorted(extra)}, of which {dname} has no record: unknown "
+                      f"there, not cleared")  # fmt: skip
     if src.get("recovered"):
         return True, (f"{name}'s stall recovered: the job moved on after it, so a later hang or the dumps' "
                       f"moment can differ")  # fmt: skip

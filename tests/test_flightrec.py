@@ -269,3 +269,7 @@ def test_reconcile_flags_an_unexplained_disagreement() -> None:
     v = reconcile([{**hang, "culprit_ranks": [1], "victim_ranks": [0, 2, 3]}], fr, first)
     assert v["agreement"] == "differences explained" and "victim" in " ".join(v["notes"])
     assert any("same collective" in n for n in v["notes"])
+    # the watchdog heard nothing from rank 3 and named it too; the dumps have rank 3 waiting: explained
+    silent = {**hang, "culprit_ranks": [1, 3], "victim_ranks": [0, 2], "silent_ranks": [3]}
+    v = reconcile([silent], fr, None)
+    assert v["culprit_ranks"] == [1] and v["agreement"] == "differences explained", v["notes"]
