@@ -26,7 +26,7 @@ from test_dashboard import browser, console_errors, needs_browser, text_of  # no
 
 from stragglerwatch.analysis import analyze_run
 from stragglerwatch.dashboard.app import BANNER, HEADING, RUNS
-from stragglerwatch.dashboard.service import Service, ServiceConfig, run_path
+from stragglerwatch.dashboard.service import Service, ServiceConfig, create_server, run_path
 from stragglerwatch.render import verdict_lines
 from stragglerwatch.simulate import Injection, SimConfig, write_run
 
@@ -273,3 +273,44 @@ def test_misconfigured_service_says_so_in_one_line(tmp_path: Path) -> None:
         bad.stop()
     text = bad.text()
     assert "stragglerwatch: error: STRAGGLERWATCH_PORT='eighty': not an integer" in text and "Traceback" not in text
+
+
+def test_a_fresh_worker_serves_every_script_of_the_first_page(tmp_path: Path) -> None:
+    """A browser's first page load asks a worker for a dozen scripts at once, on as many threads. Dash
+    registers the scripts it may serve at its first request, without a lock: a thread that came in
+    meanwhile got a 500 ("not a registered library") and the page never ran. Every script is served."""
+    import re
+
+    write_run(tmp_path / "run", SimConfig(ranks=2, steps=20, seed=1))
+    config = ServiceConfig(source=str(tmp_path / "run"))
+    page = create_server(Service(config)).test_client().get("/").get_data(as_text=True)
+    scripts = re.findall(r'src="(/_dash-component-suites/[^"]+)"', page)
+    assert len(scripts) >= 5, page[:2000]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads take turns often, as a busy worker's do: a race is lost, not dodged
+    try:
+        for attempt in range(3):
+            statuses = load_at_once(create_server(Service(config)), scripts)
+            assert statuses == dict.fromkeys(scripts, 200), f"fresh worker {attempt}: {statuses}"
+    finally:
+        sys.setswitchinterval(switch)
+
+
+def load_at_once(server: Any, paths: list[str]) -> dict[str, int]:
+    """Each path's status, fetched on its own thread, all threads let go at once."""
+    import threading
+
+    gate = threading.Barrier(len(paths))
+    statuses: dict[str, int] = {}
+
+    def load(path: str) -> None:
+        client = server.test_client()
+        gate.wait(timeout=30)
+        statuses[path] = client.get(path).status_code
+
+    threads = [threading.Thread(target=load, args=(path,)) for path in paths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return statuses

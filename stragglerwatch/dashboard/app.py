@@ -129,11 +129,18 @@ def render(snapshot: Snapshot, rank: int | None) -> dict[str, Any]:
             "rows": rows, "options": options}  # fmt: skip
 
 
-def create_app(source: Any, refresh_ms: int = 500, title: str = "stragglerwatch",
-               runs: Callable[[], list[str]] | None = None) -> Dash:  # fmt: skip
+def create_app(
+    source: Any,
+    refresh_ms: int = 500,
+    title: str = "stragglerwatch",
+    runs: Callable[[], list[str]] | None = None,
+    extend: Callable[[Any], None] | None = None,
+) -> Dash:
     """The dashboard over ``source``: a started :class:`RunDirSource` or :class:`PrometheusSource`, or a
     function from the run the page's URL names (None: it names none) to a started source, raising
-    :class:`RunRefused` for a run it will not show. ``runs``: the run picker's names (None: no picker)."""
+    :class:`RunRefused` for a run it will not show. ``runs``: the run picker's names (None: no picker).
+    ``extend``: called with the Flask server to add its own hooks, before the app is set up to serve
+    (Flask takes no hook after its first request, and the app makes one: see :func:`set_up_now`)."""
     pick: Callable[[str | None], Any] = (lambda run: source) if hasattr(source, "snapshot") else source
     fixed = source.label if hasattr(source, "snapshot") else ""
     app = Dash(__name__, title=title, update_title=None)
@@ -215,7 +222,17 @@ def create_app(source: Any, refresh_ms: int = 500, title: str = "stragglerwatch"
                 return no_update, no_update
             return run_links(names, current), [names, current]
 
+    if extend is not None:
+        extend(app.server)
+    set_up_now(app)
     return app
+
+
+def set_up_now(app: Dash) -> None:
+    """Have Dash set itself up now, before a thread serves. Dash does it at its first request, without a
+    lock: the scripts a page loads are registered then, and a request on another thread meanwhile was
+    refused (500, "not a registered library"), which left a browser's first page blank."""
+    app.server.test_client().get(app.config.requests_pathname_prefix + "_dash-dependencies")
 
 
 def refused(message: str, status: int, seen: dict | None) -> tuple:

@@ -237,36 +237,36 @@ def create_server(service: Service, title: str = "stragglerwatch") -> Any:
     """The Flask (WSGI) app of the service: the Dash app, a guard on the run a URL names, safe headers."""
     from flask import Response, redirect, request
 
-    app = create_app(service.pick, service.config.refresh_ms, title, runs=service.runs)
-    server = app.server
-    server.config["MAX_CONTENT_LENGTH"] = 1 << 20  # a callback's request is a few kB
+    def extend(server: Any) -> None:
+        server.config["MAX_CONTENT_LENGTH"] = 1 << 20  # a callback's request is a few kB
 
-    @server.before_request
-    def guard() -> Any:
-        if request.path.startswith(("/_dash-", "/assets/", "/_favicon")):
-            return None  # the callbacks check the run themselves
-        try:
-            run = url_run(request.query_string.decode("utf-8", "replace"))
-        except RunRefused as exc:
-            return Response(f"stragglerwatch: {exc}\n", exc.status, mimetype="text/plain")
-        try:
-            key = service.locate(run)
-        except RunRefused as exc:
-            if run is None or exc.status == 503:
-                return None  # no run yet, or a source to fix: the page says so, and follows when it appears
-            return Response(f"stragglerwatch: {exc}\n", exc.status, mimetype="text/plain")
-        if run is None and key and request.path == "/":  # a directory of runs: the newest one's page
-            return redirect(f"?run={quote(key, safe='')}", 302)
-        return None
+        @server.before_request
+        def guard() -> Any:
+            if request.path.startswith(("/_dash-", "/assets/", "/_favicon")):
+                return None  # the callbacks check the run themselves
+            try:
+                run = url_run(request.query_string.decode("utf-8", "replace"))
+            except RunRefused as exc:
+                return Response(f"stragglerwatch: {exc}\n", exc.status, mimetype="text/plain")
+            try:
+                key = service.locate(run)
+            except RunRefused as exc:
+                if run is None or exc.status == 503:
+                    return None  # no run yet, or a source to fix: the page says so, and follows when it appears
+                return Response(f"stragglerwatch: {exc}\n", exc.status, mimetype="text/plain")
+            if run is None and key and request.path == "/":  # a directory of runs: the newest one's page
+                return redirect(f"?run={quote(key, safe='')}", 302)
+            return None
 
-    @server.after_request
-    def headers(response: Any) -> Any:
-        response.headers.setdefault("X-Content-Type-Options", "nosniff")
-        response.headers.setdefault("X-Frame-Options", "DENY")
-        response.headers.setdefault("Referrer-Policy", "same-origin")
-        return response
+        @server.after_request
+        def headers(response: Any) -> Any:
+            response.headers.setdefault("X-Content-Type-Options", "nosniff")
+            response.headers.setdefault("X-Frame-Options", "DENY")
+            response.headers.setdefault("Referrer-Policy", "same-origin")
+            return response
 
-    return server
+    app = create_app(service.pick, service.config.refresh_ms, title, runs=service.runs, extend=extend)
+    return app.server
 
 
 def server_from_env(env: Mapping[str, str] | None = None) -> Any:
