@@ -69,6 +69,8 @@ def _completed(d: Dump, group: str, seqs: dict[int, list[Entry]]) -> int | None:
     st = (d.status.get(group) or {}).get("completed")
     if st is not None and st >= 0:
         return st
+    if st is not None and any((x.get("completed") or -1) >= 0 for x in d.status.values()):
+        return 0  # the rank counts completions (another group has some): none of this group's completed
     if _tracks_states(d):
         done = [s for s, es in seqs.items() if all(e.state == "completed" for e in es)]
         return max(done, default=0)
@@ -264,6 +266,9 @@ def _verdict(groups: list[dict[str, Any]], by_rank: dict[int, Dump], world_size:
     unknown = set(range(world_size)) - set(speaking)  # no dump, or Flight Recorder off there
     # the counts of the ranks that dumped decide; only when nobody is behind are the unknown the suspects
     culprits = [r for r in v["culprit_ranks"] if r not in unknown] or sorted(unknown - set(by_rank)) or sorted(unknown)
+    waiting = {r for g in stuck for r in g["stuck"]["entered"]}
+    if 0 < len(free := [r for r in culprits if r not in waiting]) < len(culprits):
+        culprits = free  # the others wait inside a collective of a group whose missing member the dumps lack
     main = min(stuck, key=lambda g: (not set(g["stuck"]["missing"] + g["stuck"]["no_dump"]) & set(culprits),
                                      g["stuck"]["seq"]))  # fmt: skip
     s = main["stuck"]
@@ -274,7 +279,6 @@ def _verdict(groups: list[dict[str, Any]], by_rank: dict[int, Dump], world_size:
         culprits, basis = s["not_started"], "not started on the device"
     else:
         basis = ("collective counts" if not set(culprits) & unknown else "no dump") if culprits else "none missing"
-    waiting = {r for g in stuck for r in g["stuck"]["entered"]}
     if basis == "mismatch" and mism:
         summary = f"rank(s) {ranks_text(culprits)} issued another collective than the others: {_mismatch_text(mism)}"
     elif basis == "collective counts" and len(culprits) > 1 and set(culprits) <= waiting:
@@ -286,7 +290,9 @@ def _verdict(groups: list[dict[str, Any]], by_rank: dict[int, Dump], world_size:
                    "different groups; " + "; ".join(f"rank {r} holds up {ranks_text(blocked[r])}" for r in culprits)
                    + ". " + "; ".join(_stuck_text(g, []) for g in stuck))  # fmt: skip
     else:
-        summary = _stuck_text(main, culprits) + ("; " + _mismatch_text(mism) if mism else "")
+        held = [_stuck_text(g, []) for g in stuck if g is not main and set(g["stuck"]["entered"]) & set(s["missing"])]
+        summary = "; ".join([_stuck_text(main, culprits), *(f"meanwhile {h}" for h in held)]
+                            + ([_mismatch_text(mism)] if mism else []))  # fmt: skip
     return {"culprit_ranks": culprits, "victim_ranks": sorted(r for r in speaking if r not in culprits),
             "silent_ranks": sorted(set(range(world_size)) - set(by_rank)), "basis": basis,
             "collective": {"group": main["group"], "seq": s["seq"], "op": s.get("op")}, "summary": summary}  # fmt: skip
@@ -313,7 +319,10 @@ def _stuck_text(g: dict[str, Any], culprits: list[int]) -> str:
                      "while the others did: they are behind (busy, or stuck in earlier work)")  # fmt: skip
     if s.get("late"):
         parts.append(f"rank(s) {ranks_text(s['late'])} entered after the first entrant's timeout")
-    if not s["missing"] and not s["no_dump"] and not s.get("not_started"):
+    if not s["missing"] and not s["no_dump"] and g.get("members_from") == "dumps":
+        parts.append("the dumps do not name this group's members (gloo records none): a member whose dump does not "
+                     "show this group never entered it")  # fmt: skip
+    elif not s["missing"] and not s["no_dump"] and not s.get("not_started"):
         parts.append("every member entered it and none completed it: the collective itself (transport, network "
                      "or a rank slow inside it) is stuck, no rank is missing")  # fmt: skip
     lead = f"rank(s) {ranks_text(culprits)} hold the job up: " if culprits else ""

@@ -53,6 +53,9 @@ def flight_recorder_lines(report: dict[str, Any], most: int = 8) -> list[str]:
                                                            if g["members_from"] == "dumps" else "")  # fmt: skip
         issued = sorted(set(g["issued"].values()))
         state = "all issued the same collectives" if len(issued) <= 1 else f"issued {issued[0]}..{issued[-1]}"
+        if g["stuck"]:
+            s = g["stuck"]
+            state += f"; #{s['seq']}" + (f" {s['op']}" if s.get("op") else "") + " not completed"
         lines.append(f"  {name}, {members}: {state}")
         for m in g["mismatches"][:3]:
             lines.append(f"    mismatch at #{m['seq']} in {m['differs_in']}: " + "; ".join(

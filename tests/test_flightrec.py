@@ -46,6 +46,11 @@ def order_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def chain_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return fr_job(tmp_path_factory, "chain")
+
+
+@pytest.fixture(scope="module")
 def slow_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fr_job(tmp_path_factory, "slow")
 
@@ -108,6 +113,18 @@ def test_collectives_in_another_order_are_a_cycle(order_job: Path) -> None:
     v = analyze_dumps(load_dumps(order_job / "json"))["verdict"]
     assert v["basis"] == "cycle of waits" and v["culprit_ranks"] == [1, 0], "the rank holding up most, first"
     assert "rank 1 holds up 0, 2; rank 0 holds up 1" in v["summary"]
+
+
+def test_a_rank_waiting_in_another_group_is_a_victim_not_a_culprit(chain_job: Path) -> None:
+    """Neither rank 0 nor rank 1 entered the world's all-reduce, but rank 0 waits inside the broadcast of a
+    group that rank 1's dump never mentions (gloo records no members): rank 1 alone holds the job up."""
+    fr = analyze_dumps(load_dumps(chain_job / "pickle"))
+    v = fr["verdict"]
+    assert (v["culprit_ranks"], v["victim_ranks"]) == ([1], [0, 2]), v
+    assert v["collective"]["group"] == "0" and v["collective"]["op"] == "all_reduce", v
+    fresh = [g for g in fr["groups"] if g["stuck"] and g["group"] != "0"]
+    assert len(fresh) == 1 and fresh[0]["stuck"]["entered"] == [0] and fresh[0]["stuck"]["op"] == "broadcast"
+    assert "meanwhile group" in v["summary"] and "do not name this group's members" in v["summary"], v["summary"]
 
 
 def test_a_rank_entering_late_is_shown_and_no_hang_is_invented(

@@ -9,7 +9,10 @@ since a hung collective never returns:
 - ``mismatch``: rank 1 issues a broadcast where the others issue an all-reduce;
 - ``slow``: rank 1 enters each of 12 more all-reduces 50 ms after the others, then all finish;
 - ``order``: rank 1 issues an all-reduce on the subgroup where the others issue one on the world
-  (collectives in another order: ranks 0 and 1 each wait for the other).
+  (collectives in another order: ranks 0 and 1 each wait for the other);
+- ``chain``: rank 1 never issues the first broadcast of a new group of ranks 0 and 1 (it sleeps): rank 0
+  waits in that broadcast, rank 2 in the next world all-reduce, which ranks 0 and 1 never reach. Gloo
+  records no group members, and rank 1's dump never mentions the new group.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def dump_and_exit(out: Path, rank: int, after_s: float) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out_dir")
-    p.add_argument("mode", choices=("skip", "mismatch", "slow", "order"))
+    p.add_argument("mode", choices=("skip", "mismatch", "slow", "order", "chain"))
     p.add_argument("--culprit", type=int, default=1)
     args = p.parse_args()
     out = Path(args.out_dir)
@@ -57,6 +60,7 @@ def main() -> None:
                 time.sleep(0.05)
             dist.all_reduce(x)
         dist.barrier()
+    fresh = dist.new_group([0, 1]) if args.mode == "chain" else None
     threading.Thread(target=dump_and_exit, args=(out, rank, 0.5 if args.mode == "slow" else 2.0), daemon=True).start()
     try:
         if args.mode == "skip":
@@ -66,6 +70,12 @@ def main() -> None:
                 dist.all_reduce(x)
         elif args.mode == "order":
             dist.all_reduce(x, group=sub if rank == 1 else None)
+        elif args.mode == "chain":
+            if rank == 0:
+                dist.broadcast(x, 0, group=fresh)
+            if rank == 1:
+                time.sleep(60)
+            dist.all_reduce(x)
         elif args.mode == "mismatch":
             if rank == 1:
                 dist.broadcast(x, 1)
