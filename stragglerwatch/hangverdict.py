@@ -74,7 +74,8 @@ def _from_logs(first: dict[str, Any] | None) -> dict[str, Any] | None:
     seq = first.get("seq") if rule != "collective mismatch" else None
     coll = {"group": first.get("pg"), "seq": seq, "op": first.get("op")} if seq is not None else None
     says = f"rank(s) {ranks} by {rule} ({first.get('kind')}, line {first.get('line_no')}" + (
-        f" of {first['file']})" if first.get("file") else ")")
+        f" of {first['file']})" if first.get("file") else ")") + (f"; it raised {first['error']}" if first.get("error")
+                                                                  else "")  # fmt: skip
     return {"source": "pytorch logs", "culprit_ranks": ranks, "collective": coll, "basis": rule, "says": says,
             "strength": 3 if rule in _LOG_BEHIND else 2 if rule == "did not time out" else 1,
             "unknown": []}  # fmt: skip

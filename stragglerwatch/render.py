@@ -151,10 +151,11 @@ def pytorch_log_lines(report: dict[str, Any], width: int = 80, most: int = 12) -
         who = _ranks(first.get("ranks") or [first.get("rank")])
         lines += _wrap(f"  first failure: rank(s) {who}" + (f", collective {what}" if what else "")
                        + f" (by {first.get('rule', first.get('kind'))}: {first.get('kind')}, line "
-                       f"{first.get('line_no')})", width)  # fmt: skip
+                       f"{first.get('line_no')})" + (f"; it raised {first['error']}" if first.get("error") else ""),
+                       width)  # fmt: skip
     for e in events[:most]:
         fields = [f"{k}={e[k]}" for k in ("rank", "pg", "seq", "op", "timeout_ms", "ran_for_ms", "exit_code",
-                                          "signal", "peer") if e.get(k) is not None]  # fmt: skip
+                                          "signal", "peer", "error") if e.get(k) is not None]  # fmt: skip
         lines += _wrap(f"  line {e['line_no']}: {e['kind']} " + " ".join(fields), width)
     if len(events) > most:
         lines.append(f"  ... {len(events) - most} more (--format json for all)")

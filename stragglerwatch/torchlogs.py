@@ -29,7 +29,8 @@ rank for "this local rank"), ``nccl_failure``, ``heartbeat_timeout``; ``desync_t
 ``detail["nccl_version"]``), ``nccl_aborted`` (``error``: the original reason); ``store_timeout``/
 ``store_error`` (``timeout_ms``, ``error``, ``detail`` keys or clients joined, ``peer_rank`` the
 ncclUniqueId root); ``gloo_timeout``, ``gloo_peer_closed``, ``monitored_barrier``, ``worker_failed``,
-``child_failed``.
+``child_failed``; ``rank_exception`` (the line that ends a ``[rankN]:`` traceback: ``error`` the class,
+``detail`` its message and whether it is one of torch's distributed errors).
 
 Process-group normalisation: ``pg`` is the group's id token as printed, without its description:
 ``[PG 1 Rank 0]`` -> "1", ``[PG 0 (default_pg) Rank 7]`` -> "0", ``[PG ID 0 PG GUID 0(default_pg) Rank 5]``
@@ -46,7 +47,16 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from .torchlogs_blocks import FRAME, DesyncReader, desync_verdict, match_mismatch, match_recent, mismatch_verdict
+from .torchlogs_blocks import (
+    FRAME,
+    DesyncReader,
+    ExceptionReader,
+    cause_of,
+    desync_verdict,
+    match_mismatch,
+    match_recent,
+    mismatch_verdict,
+)
 
 _TEXT_MAX = 500  # chars of the raw line kept in LogEvent.text
 _SCAN_MAX = 20_000  # chars of a line that are matched at all: messages are short, longer lines are garbage
@@ -153,6 +163,12 @@ class LogParse:
     skipped: int  # lines that matched nothing
 
     def first_failure(self) -> dict | None:
+        found = self._first_failure()
+        if found is not None and (cause := cause_of(self.events, found["rank"])):
+            found["error"] = cause
+        return found
+
+    def _first_failure(self) -> dict | None:
         """The first failing rank(s) and collective: ``{"rank", "ranks", "pg", "seq", "op", "kind", "line_no",
         "file"}``; ``ranks`` lists every culprit, ``rank`` is the first of them; ``pg`` the process group of
         ``seq`` when known.
@@ -163,9 +179,10 @@ class LogParse:
         ``nccl_work_state``/``desync_timeout`` events is the collective that failed first. A rank whose
         highest reported ``last_enqueued`` (same pg, or pg unknown) is below it never launched it and is the
         culprit (the furthest behind, then the earliest). Otherwise the rank of the first event at that
-        sequence number; without any sequence number the torchrun root cause, then the first event with a
-        rank, then the first event. ``kind``/``line_no``/``file`` name the line that decided. None without
-        events.
+        sequence number; without any sequence number the torchrun root cause, then the first rank to raise an
+        exception that is not a communication failure, then the first event with a rank, then the first
+        event. ``kind``/``line_no``/``file`` name the line that decided; ``error`` (when known) is the first
+        such exception the culprit raised. None without events.
         """
         if not self.events:
             return None
@@ -184,6 +201,9 @@ class LogParse:
             if found := self._not_timed_out():
                 return found
             root = next((e for e in self.events if e.kind == "child_failed" and e.root_cause), None)
+            if root is None and (crash := next((e for e in self.events if e.kind == "rank_exception"
+                                                and not e.detail.get("communication")), None)):  # fmt: skip
+                return _verdict(crash, None, None, rule="exception")
             ev = root or next((e for e in self.events if e.rank is not None), self.events[0])
             return _verdict(ev, ev.seq, ev.op, rule="root cause" if root else "first message")
         seq = min(e.seq for e in timed if e.seq is not None)
@@ -225,7 +245,7 @@ def _verdict(ev: LogEvent, seq: int | None, op: str | None, ranks: list[int] | N
     """``rule`` says what decided: "desync report", "collective mismatch", "behind" (last enqueued work
     below the failed collective), "monitored barrier" (torch names who did not arrive) — evidence of
     who is behind —, "did not time out" (the ranks of the job that did not time out while most did),
-    or "first timeout", "root cause", "first message" (only who failed first)."""
+    or "first timeout", "root cause", "exception", "first message" (only who failed first)."""
     if ranks is None:
         ranks = [ev.rank] if ev.rank is not None else []
     return {"rank": ranks[0] if ranks else ev.rank, "ranks": list(ranks), "pg": ev.pg if pg is None else pg,
@@ -341,6 +361,7 @@ class _Parser:
         self._entry_text: list[str] = []
         self._tb_open = False  # inside a (possibly multi-line) traceback/msg field
         self._desync = DesyncReader()
+        self._exceptions = ExceptionReader()
         self._heads: dict[str | None, tuple[int, str | None, bool]] = {}  # stream -> line that may lead a report
         self._stack: tuple[LogEvent, int] | None = None  # the stack_trace event taking frames, its last line
         self._last: tuple[LogEvent, int, str | None] | None = None  # the last event, its line and stream
@@ -349,6 +370,7 @@ class _Parser:
     def begin_file(self, file: str | None) -> None:
         self._file, self._file_start = file, len(self.events)
         self._desync, self._heads, self._stack, self._last = DesyncReader(), {}, None, None
+        self._exceptions = ExceptionReader()
         self._last_error_at = (-1, None)
 
     def end_file(self) -> None:
@@ -370,6 +392,10 @@ class _Parser:
         if self._in_block and self._block_line(line, body, stream, line_no):
             return
         if self._consume(line, body, stream, line_no):
+            self._exceptions.close(body, stream)
+            return
+        if found := self._exceptions.match(body, stream, line_no):
+            self._add(_event(line, line_no, self._file, found), line_no, stream)
             return
         if _CHILD_START.search(line) or (_SECTION.match(body) and body.startswith("Root Cause")):
             self._start_block()

@@ -319,3 +319,51 @@ def mismatch_verdict(events: list[LogEvent]) -> Verdict | None:
         return ev, culprits, own.seq, own.op
     seen = next((e for e in reports.values() if e.peer_rank == culprits[0]), ev)
     return ev, culprits, seen.peer_seq, seen.peer_op
+
+
+# A rank's Python exception: the line that ends a traceback in that rank's ``[rankN]:`` stream
+# ("[rank2]: RuntimeError: CUDA error: ..."). torchrun's summary names the first rank to exit; this says why.
+_TB_START = "Traceback (most recent call last):"
+_TB_END = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Interrupt|Exit|Failure|Timeout))(?::\s*(.*))?$")
+_TB_SPAN = 500  # lines after its start a traceback may end on
+_COMM_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError", "TimeoutError")
+
+
+class ExceptionReader:
+    """Tracebacks per output stream: :meth:`match` gives ``rank_exception`` at the exception line that ends one
+    (``error``: the exception's class, ``detail["message"]``, ``detail["communication"]`` for torch's
+    distributed errors, which a rank raises as a victim of a peer)."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, int] = {}  # stream -> line of its open traceback
+
+    def match(self, body: str, stream: str | None, line_no: int) -> tuple[str, Fields] | None:
+        if stream is None:
+            return None  # whose exception it is is unknown without torchrun's prefix
+        if body == _TB_START:
+            self._open[stream] = line_no
+            return None
+        start = self._open.get(stream)
+        m = _TB_END.match(body)
+        if start is None or m is None or line_no - start > _TB_SPAN:
+            return None
+        del self._open[stream]
+        name = m.group(1).rsplit(".", 1)[-1]
+        return "rank_exception", {
+            "error": name,
+            "detail": {"message": (m.group(2) or "")[:300], "communication": name in _COMM_ERRORS},
+        }
+
+    def close(self, body: str, stream: str | None) -> None:
+        """A line another matcher took: if it ends the stream's traceback, the traceback is over."""
+        if stream in self._open and _TB_END.match(body):
+            del self._open[stream]
+
+
+def cause_of(events: list[LogEvent], rank: int | None) -> str | None:
+    """The first exception ``rank`` raised that is not a communication failure, as ``Class: message``."""
+    for e in events:
+        if e.kind == "rank_exception" and e.rank == rank and not e.detail.get("communication"):
+            message = e.detail.get("message")
+            return f"{e.error}: {message}" if message else e.error
+    return None

@@ -904,3 +904,46 @@ def test_the_rank_that_did_not_time_out_in_a_real_gloo_hang() -> None:
     lines = [line for line in (DATA / "gloo-hang-4ranks.log").read_text().splitlines() if line.startswith("[rank0]")]
     ff = parse_lines(lines).first_failure()
     assert ff is not None and ff["ranks"] == [0] and ff["rule"] == "first message"
+
+
+def test_a_real_crash_names_the_rank_and_its_exception() -> None:
+    """Rank 1 raises (a shape error) while ranks 0, 2, 3 all-reduce: their gloo connections close, torchrun
+    tears the job down and names rank 1. The verdict carries rank 1's own exception, not the victims'."""
+    parsed = parse_files([DATA / "gloo-crash-4ranks.log"])
+    raised = [e for e in parsed.events if e.kind == "rank_exception"]
+    assert [(e.rank, e.error, e.detail["communication"]) for e in raised] == [(1, "RuntimeError", False)]
+    assert sorted(e.rank for e in parsed.events if e.kind == "gloo_peer_closed") == [0, 2, 3]
+    cause = "RuntimeError: inconsistent tensor size, expected tensor [4] and src [3]"
+    ff = parsed.first_failure()
+    assert ff is not None and (ff["ranks"], ff["rule"]) == ([1], "root cause") and ff["error"].startswith(cause)
+    # the ranks' own output alone (no torchrun summary): the rank whose exception is not a peer's failure
+    lines = [line for line in (DATA / "gloo-crash-4ranks.log").read_text().splitlines() if line.startswith("[rank")]
+    ff = parse_lines(lines).first_failure()
+    assert ff is not None and (ff["ranks"], ff["rule"], ff["kind"]) == ([1], "exception", "rank_exception")
+    assert ff["error"].startswith(cause)
+
+
+def test_exceptions_of_tracebacks_only() -> None:
+    """An exception line counts only as the end of that rank's traceback; torch's distributed errors are a
+    victim's; a chained traceback gives both exceptions, and lines without a rank prefix give none."""
+    lines = [
+        "[rank0]: RuntimeError: not after a traceback",
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "train.py", line 3, in <module>',
+        "[rank1]: ValueError: another stream's traceback is not open",
+        "[rank0]: torch.distributed.DistNetworkError: failed to recv, got 0 bytes",
+        "[rank3]: Traceback (most recent call last):",
+        "[rank3]: KeyError: 'labels'",
+        "[rank3]: ",
+        "[rank3]: The above exception was the direct cause of the following exception:",
+        "[rank3]: Traceback (most recent call last):",
+        "[rank3]: mylib.errors.DataLoaderFailure",
+        "Traceback (most recent call last):",
+        "ValueError: whose?",
+    ]
+    events = [e for e in parse_lines(lines).events if e.kind == "rank_exception"]
+    got = [(e.line_no, e.rank, e.error, e.detail["message"], e.detail["communication"]) for e in events]
+    assert got == [(5, 0, "DistNetworkError", "failed to recv, got 0 bytes", True),
+                   (7, 3, "KeyError", "'labels'", False), (11, 3, "DataLoaderFailure", "", False)]  # fmt: skip
+    ff = parse_lines(lines).first_failure()
+    assert ff is not None and (ff["ranks"], ff["rule"], ff["error"]) == ([3], "exception", "KeyError: 'labels'")

@@ -1,11 +1,12 @@
 """Produce real PyTorch failure messages on CPU (gloo, c10d TCPStore) for the fixtures in this folder.
 
     OMP_NUM_THREADS=1 TORCH_DISTRIBUTED_DEBUG=DETAIL python -m torch.distributed.run --standalone \\
-        --nproc_per_node=N generate.py worker op|size|dtype|barrier|hang
+        --nproc_per_node=N generate.py worker op|size|dtype|barrier|hang|crash
     python generate.py store clients|wait|connect
 
 ``worker``: one matching all_reduce, then the last rank runs a different collective (op, barrier), a
-different shape or dtype, or comes 35 s late (hang; the group's timeout is 20 s). ``store``: a TCPStore
+different shape or dtype, or comes 35 s late (hang; the group's timeout is 20 s); or rank 1 raises
+(crash: a shape error) while the others all-reduce. ``store``: a TCPStore
 whose clients never come, a wait on keys nobody sets, a client with no server; the error is printed.
 """
 
@@ -48,6 +49,10 @@ def worker(case: str) -> None:
     elif case == "hang":
         if rank == last:
             time.sleep(35)
+        dist.all_reduce(t)
+    elif case == "crash":
+        if rank == 1:
+            t = t @ torch.ones(3)  # a shape bug: torch raises, the process exits
         dist.all_reduce(t)
     dist.destroy_process_group()
 
