@@ -69,7 +69,8 @@ def _completed(d: Dump, group: str, seqs: dict[int, list[Entry]]) -> int | None:
     st = (d.status.get(group) or {}).get("completed")
     if st is not None and st >= 0:
         return st
-    if st is not None and any((x.get("completed") or -1) >= 0 for x in d.status.values()):
+    if st is not None and any((x.get("completed") if x.get("completed") is not None else -1) >= 0
+                              for x in d.status.values()):  # fmt: skip
         return 0  # the rank counts completions (another group has some): none of this group's completed
     if _tracks_states(d):
         done = [s for s, es in seqs.items() if all(e.state == "completed" for e in es)]

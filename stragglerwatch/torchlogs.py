@@ -53,6 +53,7 @@ from .torchlogs_blocks import (
     ExceptionReader,
     cause_of,
     desync_verdict,
+    first_raised,
     match_mismatch,
     match_recent,
     mismatch_verdict,
@@ -201,8 +202,7 @@ class LogParse:
             if found := self._not_timed_out():
                 return found
             root = next((e for e in self.events if e.kind == "child_failed" and e.root_cause), None)
-            if root is None and (crash := next((e for e in self.events if e.kind == "rank_exception"
-                                                and not e.detail.get("communication")), None)):  # fmt: skip
+            if root is None and (crash := first_raised(self.events)):
                 return _verdict(crash, None, None, rule="exception")
             ev = root or next((e for e in self.events if e.rank is not None), self.events[0])
             return _verdict(ev, ev.seq, ev.op, rule="root cause" if root else "first message")

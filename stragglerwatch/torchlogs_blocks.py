@@ -326,7 +326,7 @@ def mismatch_verdict(events: list[LogEvent]) -> Verdict | None:
 _TB_START = "Traceback (most recent call last):"
 _TB_END = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Interrupt|Exit|Failure|Timeout))(?::\s*(.*))?$")
 _TB_SPAN = 500  # lines after its start a traceback may end on
-_COMM_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError", "TimeoutError")
+_COMM_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")  # torch.distributed's
 
 
 class ExceptionReader:
@@ -360,10 +360,15 @@ class ExceptionReader:
             del self._open[stream]
 
 
+def first_raised(events: list[LogEvent], rank: int | None = None) -> LogEvent | None:
+    """The first exception that is not a communication failure (of ``rank``, when given)."""
+    return next((e for e in events if e.kind == "rank_exception" and not e.detail.get("communication")
+                 and (rank is None or e.rank == rank)), None)  # fmt: skip
+
+
 def cause_of(events: list[LogEvent], rank: int | None) -> str | None:
-    """The first exception ``rank`` raised that is not a communication failure, as ``Class: message``."""
-    for e in events:
-        if e.kind == "rank_exception" and e.rank == rank and not e.detail.get("communication"):
-            message = e.detail.get("message")
-            return f"{e.error}: {message}" if message else e.error
-    return None
+    """:func:`first_raised` of ``rank`` as ``Class: message``."""
+    if (e := first_raised(events, rank)) is None:
+        return None
+    message = e.detail.get("message")
+    return f"{e.error}: {message}" if message else e.error
