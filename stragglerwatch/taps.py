@@ -1,20 +1,31 @@
 """Taps on the few points PyTorch offers no per-object hook for.
 
-Design: two calls see what the model's own hooks cannot.
+Design: three calls see what the model's own hooks cannot.
 
-- ``Work.wait``: every collective issued from Python is waited on here: the
-  synchronous ``torch.distributed`` functions (``all_reduce``, ``broadcast``,
-  ``all_gather(_into_tensor)``, ``reduce_scatter(_tensor)``, ``barrier``, the
-  object collectives, ``send``/``recv`` ...) call it themselves, and so does
-  user code that waits on an ``async_op=True`` handle. SyncBatchNorm's
-  collectives are among them. On the host this is where the rank blocks; on
-  CUDA it is where the current stream starts waiting for the collective's
-  stream, so marks recorded on the current stream around it bracket the
-  exposed wait. It is the one place that sees them whatever name the user
-  imported them under. DDP's own collectives are issued and waited for in C++
-  and are timed elsewhere (``probes.py``).
+- **Where a collective is issued**: the methods of ``ProcessGroup`` that the
+  ``torch.distributed`` functions call (``allreduce``, ``broadcast``,
+  ``allgather``, ``all_gather_single``, ``reduce_scatter_single``, ``barrier``,
+  ``send``/``recv`` ... :data:`ISSUE_METHODS`), whatever name the user
+  imported the function under, SyncBatchNorm's collectives among them. Since
+  torch 2.8 (pytorch PR #148590) a synchronous collective on NCCL runs on the
+  *current* stream and the process group returns no ``Work``, so
+  ``distributed_c10d`` never calls ``Work.wait`` for it: marks on the current
+  stream before and after the launch bracket it there, and nowhere else. On
+  the host a synchronous call that finishes the collective itself blocks
+  inside this bracket.
+- **Where it is waited on**: ``Work.wait``. Gloo's synchronous collectives
+  (and those of NCCL before torch 2.8) and every ``async_op=True`` handle are
+  waited on here; on CUDA it is where the current stream starts waiting for
+  the collective's stream. An asynchronous launch costs the issue bracket a
+  few microseconds; the wait is the exposed part.
 - ``GradScaler.step``: a step GradScaler skips (inf/NaN gradients) never calls
   ``optimizer.step()``, so the optimizer hooks cannot see that an iteration ended.
+
+Both collective brackets call the same listener (``comm_begin``/``comm_end``);
+the probe carves their union out of the step, so a collective bracketed twice
+is counted once. DDP's own collectives are issued and waited for in C++ and
+are timed elsewhere (``probes.py``); so are the functional collectives of
+DTensor and compiled code (C++ ops, seen by neither bracket).
 
 A tap is a wrapper set on the class while at least one listener (a probe) is
 registered, and removed with the last one. Its listeners live on the wrapper
@@ -41,8 +52,19 @@ class ScalerListener(Protocol):
     def scaler_end(self, token: Any, optimizer: Any) -> None: ...
 
 
-def _wait_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
-    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+#: ``ProcessGroup`` methods that issue a collective or a point-to-point operation (those this
+#: torch has: older releases name some ``_allgather_base``, ``_reduce_scatter_base``, ``alltoall_base``).
+ISSUE_METHODS = (
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "all_gather_single",
+    "_allgather_base", "allgather_coalesced", "allgather_into_tensor_coalesced", "all_gather_single_coalesced",
+    "gather", "scatter", "reduce_scatter", "reduce_scatter_single", "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced", "alltoall", "alltoall_base",
+    "all_to_all_single", "barrier", "monitored_barrier", "send", "recv", "recv_anysource", "_end_coalescing",
+)  # fmt: skip
+
+
+def _bracket_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
+    def bracketed(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not listeners:
             return original(self, *args, **kwargs)
         tokens = []
@@ -61,7 +83,7 @@ def _wait_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callabl
                     except Exception:
                         pass
 
-    return wait
+    return bracketed
 
 
 def _scaler_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
@@ -135,9 +157,36 @@ def scaler_class() -> type | None:
         return None
 
 
-def tap_collectives(listener: CommListener) -> Tap | None:
-    owner = work_class()
-    return Tap(owner, "wait", _wait_wrapper, listener) if owner is not None else None
+def process_group_class() -> type | None:
+    """``torch.distributed.ProcessGroup`` where this torch build has distributed support."""
+    try:
+        import torch.distributed as dist
+
+        return dist.ProcessGroup if dist.is_available() else None
+    except Exception:
+        return None
+
+
+class TapSet:
+    """Several taps of one listener, removed together."""
+
+    def __init__(self, taps: list[Tap]):
+        self.taps = taps
+
+    def remove(self) -> None:
+        for tap in self.taps:
+            tap.remove()
+
+
+def tap_collectives(listener: CommListener) -> TapSet | None:
+    """Bracket every collective where it is issued and where it is waited on (module docstring)."""
+    work, group = work_class(), process_group_class()
+    if work is None or group is None:
+        return None
+    taps = [Tap(work, "wait", _bracket_wrapper, listener)]
+    taps += [Tap(group, name, _bracket_wrapper, listener) for name in ISSUE_METHODS
+             if callable(getattr(group, name, None))]  # fmt: skip
+    return TapSet(taps)
 
 
 def tap_scaler(listener: ScalerListener) -> Tap | None:

@@ -21,7 +21,14 @@ import stragglerwatch
 from stragglerwatch.cli import main as cli
 from stragglerwatch.probes import _grad_tensors
 from stragglerwatch.schema import PHASE_COLUMNS
-from stragglerwatch.taps import scaler_class, tap_collectives, tap_scaler, work_class
+from stragglerwatch.taps import (
+    ISSUE_METHODS,
+    process_group_class,
+    scaler_class,
+    tap_collectives,
+    tap_scaler,
+    work_class,
+)
 
 
 def partitions(df) -> bool:
@@ -54,8 +61,11 @@ def test_grad_tensors_found_through_nested_containers_and_dataclasses() -> None:
 
 
 def test_taps_are_installed_once_and_restored() -> None:
-    work, scaler = work_class(), scaler_class()
+    work, scaler, group = work_class(), scaler_class(), process_group_class()
     original_wait, original_step = work.__dict__["wait"], scaler.__dict__["step"]
+    issue = [n for n in ISSUE_METHODS if n in group.__dict__]
+    assert {"allreduce", "broadcast", "barrier", "send", "recv"} <= set(issue)
+    original_issue = {n: group.__dict__[n] for n in issue}
 
     class Broken:
         def comm_begin(self):
@@ -66,11 +76,13 @@ def test_taps_are_installed_once_and_restored() -> None:
 
     first, second = tap_collectives(Broken()), tap_collectives(Broken())
     assert work.__dict__["wait"] is not original_wait and work.__dict__["wait"].__wrapped__ is original_wait
+    assert all(group.__dict__[n].__wrapped__ is original_issue[n] for n in issue), "bracketed where issued too"
     first.remove()
     assert work.__dict__["wait"] is not original_wait, "still one listener"
     second.remove()
     second.remove()  # idempotent
     assert work.__dict__["wait"] is original_wait
+    assert all(group.__dict__[n] is original_issue[n] for n in issue)
     tap = tap_scaler(Broken())
     tap.remove()
     assert scaler.__dict__["step"] is original_step
