@@ -26,10 +26,13 @@ ENV = {
     "sd_dir": "STRAGGLERWATCH_SD_DIR",
     "debug_server_port": "STRAGGLERWATCH_DEBUG_SERVER_PORT",
     "debug_server_host": "STRAGGLERWATCH_DEBUG_SERVER_HOST",
+    "timing": "STRAGGLERWATCH_TIMING",
 }
 DISABLE_ENV = "STRAGGLERWATCH_DISABLE"
 #: Values of ``prometheus_mode``: the exporter's series (``exporter.py``'s docstring).
 MODES = ("full", "lean")
+#: Values of ``timing``: which clock times the phases (``devices.py``).
+TIMINGS = ("auto", "host", "cuda")
 
 
 def _env_port(from_env: dict[str, Any], name: str, lowest: int, consequence: str, problems: Problems | None) -> None:
@@ -132,6 +135,17 @@ class Config:
     """How often the rank looks (one ``stat``) for a new request in the run dir's ``control.json``,
     written by ``stragglerwatch control RUN_DIR --set ...``; ``0`` turns the control file off."""
 
+    timing: str | None = None
+    """Which clock times the phases (``$STRAGGLERWATCH_TIMING``): ``"cuda"`` (events on the compute
+    stream, read lazily), ``"host"`` (``perf_counter``), or ``"auto"`` (the default): ``cuda`` when
+    the model computes on a GPU (its device mesh, DDP's device, any parameter or buffer on CUDA, or an
+    NCCL job's current device), else ``host``."""
+
+    close_timeout_s: float = 5.0
+    """The most ``close()`` (and exit) waits for the GPU to finish the last steps' events and for
+    the log thread; steps still unresolved then are counted (``unresolved_steps``) and recorded in
+    an ``unresolved`` event, never waited for."""
+
     enabled: bool = True
     """``False`` (or ``$STRAGGLERWATCH_DISABLE=1``) makes ``attach`` a no-op returning an inert handle."""
 
@@ -163,6 +177,13 @@ class Config:
                                     "'full' or 'lean': the exporter serves the full series")  # fmt: skip
                 del from_env["prometheus_mode"]
         _env_port(from_env, "debug_server_port", 0, "no debug server", problems)
+        if "timing" in from_env:
+            from_env["timing"] = from_env["timing"].lower()
+            if from_env["timing"] not in TIMINGS:
+                if problems is not None:
+                    problems.report("config", f"{ENV['timing']}={from_env['timing']!r} is not one of "
+                                    f"{', '.join(TIMINGS)}: timing is chosen automatically")  # fmt: skip
+                del from_env["timing"]
         if env.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
             from_env["enabled"] = False
         known = {f.name for f in fields(cls)}
@@ -190,5 +211,9 @@ class Config:
         if self.control_interval_s != 0 and not self.control_interval_s >= 0.1:
             raise ConfigError(f"control_interval_s must be >= 0.1 (or 0: no control file), "
                               f"not {self.control_interval_s}")
+        if self.timing is not None and self.timing not in TIMINGS:
+            raise ConfigError(f"timing must be one of {', '.join(TIMINGS)}, not {self.timing!r}")
+        if not self.close_timeout_s >= 0:
+            raise ConfigError(f"close_timeout_s must be >= 0, not {self.close_timeout_s}")
         if self.prometheus_mode is not None and self.prometheus_mode not in MODES:
             raise ConfigError(f"prometheus_mode must be 'full' or 'lean', not {self.prometheus_mode!r}")

@@ -2,7 +2,8 @@
 
 Design: the training thread only appends finished :class:`StepMarks` to a deque
 (``submit``). A daemon thread wakes every ``flush_interval_s`` (default 1 s),
-resolves the marks (CUDA events lazily, with ``query()``), computes the records
+resolves the marks (CUDA events lazily, with ``query()``, only while no CUDA graph
+capture is open: ``devices.CaptureGate``), computes the records
 and appends one Arrow IPC *stream* record batch to ``rank-NNNNN.arrows``,
 flushing the file. A SIGKILL therefore loses at most the steps of the last
 interval; every earlier batch is complete and stays readable, and a batch cut
@@ -17,6 +18,7 @@ counter; the log keeps going, in a new segment.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -24,7 +26,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,13 +47,18 @@ from .schema import (
     schema_compatible,
     upgrade,
 )
-from .timing import StepMarks, anatomy
+from .timing import DROPPED, StepMarks, anatomy
 
 #: Marks waiting for their CUDA events before the oldest are given up on.
 MAX_PENDING = 4096
+#: Seconds a step may stay unresolved while a later step's end has completed on the device
+#: (its marks went where they never complete: a capture we did not see) before it is dropped.
+STALE_S = 10.0
 LOG_NAME = re.compile(r"^rank-(\d+)(?:\.(\d+))?\.(arrows|parquet)$")
 
-Resolver = Callable[[StepMarks, bool], "StepMarks | None"]
+#: ``resolve(marks, deadline)``: resolved marks, ``None`` while pending, or ``timing.DROPPED``.
+Resolver = Callable[[StepMarks, "float | None"], Any]
+Gate = Callable[[], "contextlib.AbstractContextManager[bool]"]
 
 
 class RunDirError(Exception):
@@ -62,8 +69,18 @@ class RunDirWarning(UserWarning):
     """A file of a run dir that was skipped or read only in part."""
 
 
-def _host_resolve(m: StepMarks, block: bool) -> StepMarks:
+def _host_resolve(m: StepMarks, deadline: float | None) -> StepMarks:
     return m
+
+
+@contextlib.contextmanager
+def _always_open() -> Iterator[bool]:
+    yield True
+
+
+def _done(ev: Any) -> bool:
+    query = getattr(ev, "query", None)
+    return query is None or bool(query())
 
 
 def log_path(run_dir: Path, rank: int) -> Path:
@@ -101,6 +118,8 @@ class EventLogWriter:
         attach: int = 0,
         problems: Problems | None = None,
         on_reopen: Callable[[], None] | None = None,
+        gate: Gate | None = None,
+        close_timeout_s: float = 5.0,
     ):
         self.path = path
         self.rank = rank
@@ -109,6 +128,12 @@ class EventLogWriter:
         self.steps_written = 0
         self.write_errors = 0
         self.dropped_steps = 0
+        self.capture_dropped_steps = 0  # a mark made inside a CUDA graph capture: never resolvable
+        self.stale_dropped_steps = 0  # events that never completed while later ones did
+        self.unresolved: list[int] = []  # steps still pending on the device when close gave up on them
+        self.close_timeout_s = close_timeout_s
+        self._gate = gate or _always_open
+        self._head_since: tuple[int, float] | None = None  # (id of the pending head, when first seen pending)
         self._wall_anchor = wall_anchor
         self._timing = timing
         self._ids = (restart, attach)
@@ -157,14 +182,15 @@ class EventLogWriter:
             self.flush_interval_s = float(seconds)
             self._wake.notify_all()
 
-    def flush(self, block: bool = False, lock_timeout_s: float = -1) -> None:
-        """Write every step whose marks are resolved (all of them when ``block``); gives up
-        after ``lock_timeout_s`` if another flush holds the log (a signal handler must not wait)."""
+    def flush(self, deadline: float | None = None, lock_timeout_s: float = 5.0) -> None:
+        """Write every step whose marks are resolved (waiting for the device until ``deadline``, a
+        ``time.monotonic()`` time, if given); gives up after ``lock_timeout_s`` if another flush holds
+        the log (a write stuck on a hung filesystem must not hold the caller for longer)."""
         if not self._lock.acquire(timeout=lock_timeout_s):
             return
         try:
             try:
-                records = self._take_resolved(block)
+                records = self._take_resolved(deadline)
             except Exception as exc:  # a broken event must not kill the thread
                 self._fail("resolve", f"could not resolve step timings: {exc}")
                 return
@@ -178,20 +204,39 @@ class EventLogWriter:
         finally:
             self._lock.release()
 
-    def _take_resolved(self, block: bool) -> list[StepRecord]:
+    def _take_resolved(self, deadline: float | None) -> list[StepRecord]:
         while self._queue:
             self._pending.append(self._queue.popleft())
-        records = []
-        while self._pending:
-            resolved = self._resolve(self._pending[0], block)
-            if resolved is None:
-                break
-            self._pending.popleft()
-            records.append(anatomy(resolved, self.rank, self._wall_anchor, self._timing, *self._ids))
+        records: list[StepRecord] = []
+        with self._gate() as may_query:  # no event query while a CUDA graph capture is open
+            while may_query and self._pending:
+                head = self._pending[0]
+                resolved = self._resolve(head, deadline)
+                if resolved is None and not self._stale(head):
+                    break
+                self._pending.popleft()
+                if resolved is None or resolved is DROPPED:
+                    self.dropped_steps += 1
+                    if resolved is None:
+                        self.stale_dropped_steps += 1
+                    else:
+                        self.capture_dropped_steps += 1
+                    continue
+                records.append(anatomy(resolved, self.rank, self._wall_anchor, self._timing, *self._ids))
         while len(self._pending) > MAX_PENDING:
             self._pending.popleft()
             self.dropped_steps += 1
         return records
+
+    def _stale(self, head: StepMarks) -> bool:
+        """The head step's events have not completed for ``STALE_S`` although the newest pending
+        step's end has: they never will (recorded into a capture we did not see)."""
+        now = time.monotonic()
+        if self._head_since is None or self._head_since[0] != id(head):
+            self._head_since = (id(head), now)
+            return False
+        tail = self._pending[-1]
+        return tail is not head and now - self._head_since[1] >= STALE_S and _done(tail.end)
 
     def _fail(self, kind: str, message: str) -> None:
         self.write_errors += 1
@@ -235,13 +280,25 @@ class EventLogWriter:
             self._fail("write", f"cannot write {self.path}: {exc}")
 
     def close(self) -> None:
-        """Stop the thread, write every remaining step, compact to Parquet."""
+        """Stop the thread, write every step the device has finished, compact to Parquet.
+
+        Bounded: the log thread, the lock and the device together get ``close_timeout_s``; steps
+        whose events are still pending then (a GPU stuck behind a collective its peers never join)
+        are listed in :attr:`unresolved`, not waited for."""
+        deadline = time.monotonic() + self.close_timeout_s
         self._stop.set()
         with self._wake:
             self._wake.notify_all()
-        self._thread.join(timeout=10)
-        self.flush(block=True)
-        with self._lock:
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.flush(deadline=deadline, lock_timeout_s=max(0.0, deadline - time.monotonic()))
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            self._fail("finish", f"cannot finish {self.path}: the log is still busy (it stays readable as a stream)")
+            return
+        try:
+            while self._queue:
+                self._pending.append(self._queue.popleft())
+            self.unresolved = [m.step for m in self._pending]
+            self._pending.clear()
             if self._writer is None:
                 return
             try:
@@ -253,6 +310,8 @@ class EventLogWriter:
             except Exception as exc:
                 self._fail("finish", f"cannot finish {self.path} (it stays readable as a stream): {exc}")
             self._writer = self._file = None
+        finally:
+            self._lock.release()
 
 
 def _fsync_path(path: Path) -> None:

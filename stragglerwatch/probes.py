@@ -20,9 +20,10 @@ Boundaries:
   ready) has waited for every bucket's all-reduce. This times the exposed
   gradient communication with DDP's built-in C++ all-reduce left untouched;
 - every other collective: DDP's buffer broadcast (its ``_sync_module_buffers``
-  shadowed per instance, like forward) and every collective waited on from
-  Python (``taps.py``: ``Work.wait``), on the training thread or inside its
-  backward. Their intervals are carved out of the phase they sit in;
+  shadowed per instance, like forward) and every collective issued or waited
+  on from Python (``taps.py``: the ``ProcessGroup`` methods and ``Work.wait``;
+  a synchronous NCCL collective returns no ``Work``), on the training thread
+  or inside its backward. Their intervals are carved out of the phase they sit in;
 - gradient buckets (optional): a DDP communication hook that wraps the
   all-reduce (or the user's own hook) and marks when each bucket is ready and
   when its all-reduce completed (in the future's ``then`` callback, in stream
@@ -35,6 +36,10 @@ Boundaries:
   forward/backward only where they are not already forward/backward. A step
   that GradScaler skipped counts as a step of zero optimizer time. Under
   ``no_sync()`` accumulation several forwards/backwards belong to one step.
+
+On CUDA each mark is an event on the current stream (``devices.CudaMarks``); the latest
+ones are also kept with the phase the stream runs from there (``device_trail``), so that at a
+stall the watchdog can tell where the GPU is, not only where the host is.
 
 When a part of the signal cannot be seen (no output needing a gradient, no
 backward from the outputs, compiled autograd, a multi-rank job with no
@@ -135,13 +140,6 @@ def _compiled_autograd_active() -> bool:
     )
 
 
-def cuda_mark() -> torch.cuda.Event:
-    """A timing event recorded on the current CUDA stream."""
-    ev = torch.cuda.Event(enable_timing=True)
-    ev.record()
-    return ev
-
-
 class StepProbe:
     """The hook callbacks of one watched model. Not thread-safe by design: the
     training thread drives it; the all-reduce ``then`` callbacks and, on CUDA,
@@ -193,6 +191,9 @@ class StepProbe:
         self.where: tuple[int, str, float] = (0, "idle", self._now())
         self.recent_steps: deque[float] = deque(maxlen=32)  # host seconds of the last steps
         self.last_step_end: float | None = None  # perf_counter time the last step ended
+        # on the device: the latest marks (event, step, phase the stream runs from there), for the
+        # watchdog to tell where the GPU is at a stall (``devices.device_progress``)
+        self.device_trail: deque[tuple[Any, int, str]] | None = None if self._host else deque(maxlen=64)
 
     @property
     def steps(self) -> int:
@@ -204,14 +205,30 @@ class StepProbe:
         """Recording is off (``recording``, applied at a step end): the hooks idle, steps only counted."""
         return self._paused
 
-    def _at(self, host: float) -> Any:
-        """A mark for host time ``host`` (the host clock itself, or a new device event)."""
-        return host if self._host else self._mark()
+    def _at(self, host: float, phase: str | None = None) -> Any:
+        """A mark for host time ``host`` (the host clock itself, or a new device event); on the
+        device, ``phase`` is what the stream runs from the mark on (for :attr:`device_trail`)."""
+        if self._host:
+            return host
+        ev = self._mark()
+        if phase is not None:
+            self.device_trail.append((ev, self._next_step, phase))  # type: ignore[union-attr]
+        return ev
+
+    def _dmark(self, phase: str) -> Any:
+        """A mark now (host clock or device event), on the device also kept in :attr:`device_trail`."""
+        ev = self._mark()
+        if self.device_trail is not None:
+            self.device_trail.append((ev, self._next_step, phase))
+        return ev
 
     def _begin(self, host: float | None = None) -> StepMarks:
         host = self._now() if host is None else host
-        self._cur = StepMarks(self._next_step, self._at(host), host, self._data_from_gap)
+        self._cur = StepMarks(self._next_step, self._at(host, self._gap_phase()), host, self._data_from_gap)
         return self._cur
+
+    def _gap_phase(self) -> str:
+        return "data_wait" if self._data_from_gap else "other"
 
     def note_unavailable(self, key: str, reason: str) -> None:
         """Record once that part of the signal cannot be measured, and why."""
@@ -277,7 +294,7 @@ class StepProbe:
             m = self._cur
             if m is not None and not self._fwd_open:
                 if not self._eval_open:
-                    m.evals.append([self._at(now), None])
+                    m.evals.append([self._at(now, "eval"), None])
                     self._eval_open = True
                 self._eval_fwd = True
             return
@@ -291,7 +308,7 @@ class StepProbe:
         if self._fwd_open:  # the previous forward raised: drop its dangling start
             m.fwd_start.pop()
         self._fwd_open = True
-        m.fwd_start.append(self._at(now))
+        m.fwd_start.append(self._at(now, "forward"))
 
     @_guarded
     def on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -302,12 +319,12 @@ class StepProbe:
         if self._eval_fwd:
             self._eval_fwd = False
             if self._cur is not None and self._cur.evals:
-                self._cur.evals[-1][1] = self._at(now)
+                self._cur.evals[-1][1] = self._at(now, "other")
             return
         if not self._fwd_open:
             return
         self._fwd_open = False
-        self._cur.fwd_end.append(self._at(now))  # type: ignore[union-attr]
+        self._cur.fwd_end.append(self._at(now, "other"))  # type: ignore[union-attr]
         if _compiled_autograd_active():
             self.note_unavailable(
                 "compiled_autograd", "compiled autograd runs the backward: the gradient all-reduce wait is not seen"
@@ -332,7 +349,7 @@ class StepProbe:
         self._in_backward = True
         self._eval_open = False
         self.where = (self._next_step, "backward", self._now())
-        m.bwd_start.append(self._mark())
+        m.bwd_start.append(self._dmark("backward"))
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
     @_guarded
@@ -341,8 +358,9 @@ class StepProbe:
         m = self._cur
         if m is None:
             return
-        m.bwd_end.append(self._mark())
-        if self._syncing is not None and self._syncing():
+        syncing = self._syncing is not None and self._syncing()
+        m.bwd_end.append(self._dmark("allreduce_wait" if syncing else "other"))
+        if syncing:
             self.where = (self._next_step, "allreduce_wait", self._now())
             torch.autograd.Variable._execution_engine.queue_callback(self._on_synced)
         else:
@@ -353,7 +371,7 @@ class StepProbe:
         m = self._cur
         if m is not None and m.bwd_end:
             self.where = (self._next_step, "other", self._now())
-            m.sync.append((m.bwd_end[-1], self._mark()))
+            m.sync.append((m.bwd_end[-1], self._dmark("other")))
 
     # -- every other collective ------------------------------------------
     @_guarded
@@ -371,7 +389,7 @@ class StepProbe:
         step, phase, _ = self.where
         now = self._now()
         self.where = (step, "collective_wait", now)
-        return (self._at(now), phase)
+        return (self._at(now, "collective_wait"), phase)
 
     @_guarded
     def comm_end(self, token: Any) -> None:
@@ -384,7 +402,7 @@ class StepProbe:
         now = self._now()
         m = self._cur
         if m is not None:
-            m.comm.append((start, self._at(now)))
+            m.comm.append((start, self._at(now, phase)))
         self.where = (self._next_step, phase, now)
 
     def comm_hook(self, inner: Callable[[Any, Any], torch.futures.Future] | None, state: Any) -> Callable:
@@ -451,7 +469,7 @@ class StepProbe:
         m = self._cur or self._begin(now)
         self._eval_open = False
         self.where = (self._next_step, "optimizer", now)
-        m.opt.append([self._at(now), None])
+        m.opt.append([self._at(now, "optimizer"), None])
 
     @_guarded
     def on_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -464,7 +482,7 @@ class StepProbe:
         if self._opt_depth or m is None or not m.opt:
             return
         host = self._now()
-        end = self._at(host)
+        end = self._at(host, "other")
         m.opt[-1][1] = end
         oid = id(optimizer)
         self._stepped.add(oid)
@@ -507,8 +525,8 @@ class StepProbe:
         self._fwd_open = self._eval_fwd = self._eval_open = self._in_backward = False
         self._comm_depth = self._opt_depth = 0
         self._stepped.clear()
-        self._cur = StepMarks(self._next_step, self._at(host), host, self._data_from_gap)
-        self.where = (self._next_step, "data_wait" if self._data_from_gap else "other", host)
+        self._cur = StepMarks(self._next_step, self._at(host, self._gap_phase()), host, self._data_from_gap)
+        self.where = (self._next_step, self._gap_phase(), host)
         self._paused, self.enabled = False, True
 
     def _end_at_cut(self) -> None:

@@ -25,6 +25,7 @@ is the straggler signal. Per-bucket ready/all-reduce marks are optional
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -213,19 +214,41 @@ def anatomy(
     )
 
 
-def resolve_cuda(m: StepMarks, block: bool = False) -> StepMarks | None:
+#: What a resolver returns for a step that can never be resolved (a mark made inside a CUDA graph
+#: capture): the step is dropped and counted, not kept waiting.
+DROPPED = object()
+
+
+class CapturedMark:
+    """Stands in for a CUDA event that was not recorded: the stream was capturing a CUDA graph,
+    where an event would be part of the graph and never complete (``devices.py``)."""
+
+    __slots__ = ()
+
+
+def _ready(events: list[Any], deadline: float | None) -> bool:
+    """Whether every event has completed; with a ``deadline`` (``time.monotonic()``), polls until
+    then. Never ``synchronize()``: a GPU that never finishes must not hold the caller."""
+    while True:
+        if all(ev.query() for ev in events):
+            return True
+        if deadline is None or time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+
+
+def resolve_cuda(m: StepMarks, deadline: float | None = None) -> Any:
     """Float marks (seconds after the step's start event) once every event completed.
 
-    Returns ``None`` while any event is still pending, unless ``block`` (used
-    only at close, off the hot path) lets it wait for them. The data wait is
-    what the device saw: with a wrapped loader, the host's blocked time capped
-    by the device's idle gap before the first forward.
+    Returns ``None`` while any event is still pending (with a ``deadline``, used only at close,
+    off the hot path, it polls until then), and :data:`DROPPED` for a step with a mark made
+    inside a CUDA graph capture. The data wait is what the device saw: with a wrapped loader,
+    the host's blocked time capped by the device's idle gap before the first forward.
     """
     events = m.events()
-    if block:
-        for ev in events:
-            ev.synchronize()
-    elif not all(ev.query() for ev in events):
+    if any(isinstance(ev, CapturedMark) for ev in events):
+        return DROPPED
+    if not _ready(events, deadline):
         return None
     base = m.start
 

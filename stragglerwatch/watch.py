@@ -35,12 +35,13 @@ from .config import Config
 from .control import Controls
 from .coverage import UnavailableNotes, unseen_communication
 from .ctxmetrics import ContextCollector
+from .devices import CaptureGate, CudaMarks, compute_device, device_progress
 from .eventlog import EventLogWriter, log_path
 from .exporter import Exporter, RankCollector, RankMetrics
 from .log import Problems
 from .models import ModelInfo, inspect_model, mesh_role
 from .peers import PeerBoard
-from .probes import StepProbe, TimedIterable, cuda_mark
+from .probes import StepProbe, TimedIterable
 from .runinfo import AttachError, RunInfo, discover, write_meta
 from .sampler import ContextSampler
 from .shadows import time_as_forward, time_buffer_sync, time_fetch, time_forward, time_fsdp_waits
@@ -49,12 +50,6 @@ from .timing import resolve_cuda
 from .watchdog import EventFile, NativeStacks, ShutdownHooks, Watchdog
 
 CommHook = tuple[Any, Callable[[Any, Any], torch.futures.Future]]
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 def _cuda_index(device: torch.device) -> int:
@@ -86,6 +81,8 @@ class Watch:
         self._context: ContextSampler | None = None
         self._notes: UnavailableNotes | None = None
         self._controls: Controls | None = None
+        self._marks: CudaMarks | None = None  # CUDA timing: the probe's clock
+        self._events: EventFile | None = None  # this rank's events (the watchdog's, or close's own)
         self._handles: list[Any] = []
         self._last: Any = None  # the latest step record written
         self._closed = info is None
@@ -121,6 +118,10 @@ class Watch:
         return {
             "steps_written": w.steps_written if w else 0,
             "dropped_steps": w.dropped_steps if w else 0,
+            "capture_dropped_marks": self._marks.dropped if self._marks else 0,
+            "capture_dropped_steps": w.capture_dropped_steps if w else 0,
+            "stale_dropped_steps": w.stale_dropped_steps if w else 0,
+            "unresolved_steps": len(w.unresolved) if w else 0,
             "write_errors": (w.write_errors if w else 0) + (wd.events.errors if wd else 0),
             "exporter_errors": self._exporter.errors if self._exporter else 0,
             "metrics_port": self._exporter.port if self._exporter and self._exporter.server else None,
@@ -195,7 +196,7 @@ class Watch:
         if self._shutdown is not None:
             steps.append(("restore the signal handlers", self._shutdown.remove))
         if self._writer is not None:
-            steps.append(("finish the step log", self._writer.close))
+            steps += [("finish the step log", self._writer.close), ("record", self._record_unresolved)]
         if self._context is not None:
             steps.append(("finish the context stream", self._context.close))
         if self._exporter is not None:
@@ -206,6 +207,17 @@ class Watch:
             except Exception as exc:
                 self.problems.report("close", f"close: could not {what}: {type(exc).__name__}: {exc}")
         self._handles.clear()
+
+    def _record_unresolved(self) -> None:
+        """Steps the GPU had not finished when close stopped waiting: said, not lost silently."""
+        steps = self._writer.unresolved if self._writer is not None else []
+        if not steps or self._events is None or self.info is None:
+            return
+        self._events.write({"kind": "unresolved", "rank": self.info.rank, "step": steps[0], "phase": "close",
+                            "steps": steps[:1000], "count": len(steps), "detected_at": time.time(),
+                            "reason": "their CUDA events had not completed within close_timeout_s"})  # fmt: skip
+        self.problems.report("close", f"close: {len(steps)} step(s) from step {steps[0]} not recorded: the GPU "
+                             "had not finished them within close_timeout_s (stuck behind a collective?)")  # fmt: skip
 
     def __enter__(self) -> Watch:
         return self
@@ -251,6 +263,8 @@ def attach(
         return Watch()
     if parts.ddp is not None and (cfg.bucket_timings or cfg.comm_hook is not None):
         _check_comm_hook_free(parts.ddp)
+    if cfg.timing == "cuda" and not torch.cuda.is_available():
+        raise AttachError("stragglerwatch: timing='cuda', but this process has no CUDA device (use 'auto' or 'host')")
     info = discover(cfg.run_dir, cfg.run_id)
     watch = Watch(info, problems, wall_anchor=time.time() - time.perf_counter())
     try:
@@ -274,7 +288,8 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
     model, ddp = parts.outer, parts.ddp
     is_ddp = ddp is not None
     bucket_timings = is_ddp and (cfg.bucket_timings or cfg.comm_hook is not None)
-    on_gpu = _model_device(model).type == "cuda"
+    device = compute_device(model, parts.mesh, ddp)
+    on_gpu = cfg.timing == "cuda" or (cfg.timing in (None, "auto") and device.type == "cuda")
     timing = "cuda" if on_gpu else "host"
     settings = {"flush_interval_s": cfg.flush_interval_s, "fsync_interval_s": cfg.fsync_interval_s,
                 "watchdog_timeout_s": cfg.watchdog_timeout_s, "prometheus_port": cfg.prometheus_port,
@@ -282,7 +297,7 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
                 "compiled": parts.compiled, "bucket_timings": bucket_timings,
                 "context_interval_s": cfg.context_interval_s}  # fmt: skip
     role = cfg.role if cfg.role is not None else mesh_role(parts.mesh)
-    rank_meta: dict[str, Any] = {"device": str(_model_device(model)), "timing": timing, "role": role}
+    rank_meta: dict[str, Any] = {"device": str(device), "timing": timing, "role": role}
     unseen = unseen_communication(parts.target or model)
     if unseen is not None:
         rank_meta["busy_unavailable"] = [unseen]
@@ -296,14 +311,19 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
         path = log_path(info.run_dir, info.rank)
     except OSError as exc:
         raise RuntimeError(f"cannot write run dir {info.run_dir} ({exc})") from None
+    gate = CaptureGate().install() if on_gpu else None
+    if gate is not None:
+        watch._handles.append(gate)
+        watch._marks = CudaMarks(gate)
     writer = watch._writer = EventLogWriter(
         path, info.rank, watch._wall_anchor, timing=timing, resolve=resolve_cuda if on_gpu else None,
         flush_interval_s=cfg.flush_interval_s, fsync_interval_s=cfg.fsync_interval_s, restart=info.restart,
-        attach=info.attach, problems=problems, on_reopen=write_metadata,
+        attach=info.attach, problems=problems, on_reopen=write_metadata, gate=gate.quiet if gate else None,
+        close_timeout_s=cfg.close_timeout_s,
     )  # fmt: skip
     probe = watch._probe = StepProbe(
         writer.submit,
-        cuda_mark if on_gpu else None,
+        watch._marks.mark if watch._marks is not None else None,
         (lambda: ddp.require_backward_grad_sync) if is_ddp else None,
         ender=id(cfg.optimizer) if cfg.optimizer is not None else None,
         expect_comm=info.world_size > 1 and not is_ddp and unseen is None,
@@ -312,18 +332,20 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
     )
     notes = watch._notes = UnavailableNotes(info, rank_meta, probe)
     writer.observers += [notes, watch._observe]
+    watch._events = EventFile(info.run_dir / f"events-{info.rank:05d}.jsonl")
     if cfg.watchdog_timeout_s is None or cfg.watchdog_timeout_s > 0:
         native = NativeStacks(info.run_dir / f"stacks-{info.rank:05d}.txt") if cfg.native_stacks else None
         watch._watchdog = Watchdog(
-            probe, EventFile(info.run_dir / f"events-{info.rank:05d}.jsonl"), info.rank, info.world_size,
+            probe, watch._events, info.rank, info.world_size,
             PeerBoard(info.run_id, info.rank, info.world_size) if info.world_size > 1 else None,
             timeout_s=cfg.watchdog_timeout_s, wall_anchor=watch._wall_anchor,
             flush=lambda: writer.flush(lock_timeout_s=1.0), native=native,
             ids={"restart": info.restart, "attach": info.attach}, problems=problems,
             fr_path=info.run_dir / f"flightrec-{info.rank:05d}.pkl",
+            device=_device_reader(probe, gate) if gate is not None else None,
         )  # fmt: skip
     if cfg.context_interval_s:
-        gpu = _cuda_index(_model_device(model)) if on_gpu else None
+        gpu = _cuda_index(device) if device.type == "cuda" else None
         watch._context = ContextSampler(info.run_dir, info.rank, interval_s=cfg.context_interval_s, gpu_index=gpu,
                                         problems=problems)  # fmt: skip
     if cfg.prometheus_port is not None:
@@ -345,7 +367,7 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
         handles += time_fsdp_waits(parts, probe)
     handles.append(register_optimizer_step_pre_hook(probe.on_optimizer_pre))
     handles.append(register_optimizer_step_post_hook(probe.on_optimizer_post))
-    handles += [tap_collectives(probe), tap_scaler(probe)]
+    handles += [tap_collectives(probe), tap_scaler(probe)]  # issued and waited-on collectives; skipped steps
     handles[:] = [h for h in handles if h is not None]
     if bucket_timings:
         state, inner = cfg.comm_hook if cfg.comm_hook is not None else (ddp.process_group, None)
@@ -362,6 +384,19 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
     if watch._context is not None:
         watch._context.start()
     watch.controls.start(cfg.control_interval_s, cfg.debug_server_port, cfg.debug_server_host)
+
+
+def _device_reader(probe: StepProbe, gate: CaptureGate) -> Callable[[], dict[str, Any] | None]:
+    """Where this rank's GPU is (for the watchdog, at a stall), never while a capture is open."""
+
+    def read() -> dict[str, Any] | None:
+        trail = list(probe.device_trail or ())
+        with gate.quiet() as may_query:
+            if not may_query:
+                return {"step": trail[-1][1] if trail else None, "phase": "unknown (a CUDA graph capture is open)"}
+            return device_progress(trail)
+
+    return read
 
 
 __all__ = ["Watch", "attach", "TimedIterable"]
