@@ -260,9 +260,10 @@ def _verdict(groups: list[dict[str, Any]], by_rank: dict[int, Dump], world_size:
     states: dict[int, dict[str, Any] | None] = {r: None for r in range(world_size)}
     for r in speaking:
         counts = {g["group"]: int(g["issued"][str(r)]) for g in groups if str(r) in g["issued"]}
+        completed = {g["group"]: int(c) for g in groups if (c := g["completed"].get(str(r))) is not None}
         pending = any(g["stuck"] and r in g["stuck"]["entered"] for g in groups)
         states[r] = {"step": 0, "phase": "collective_wait" if pending else "outside",
-                     "collectives": counts or {"_": 0}}  # fmt: skip
+                     "collectives": counts or {"_": 0}, "completed": completed}  # fmt: skip
     v = classify(states, world_size)
     unknown = set(range(world_size)) - set(speaking)  # no dump, or Flight Recorder off there
     # the counts of the ranks that dumped decide; only when nobody is behind are the unknown the suspects

@@ -11,10 +11,16 @@ plus ranks that published nothing (dead, or stuck in native code holding the GIL
 everybody else is a *victim*. This holds on NCCL too, where the host does not block
 in the collective and victims stop later, at a host sync, in whatever phase that is.
 
-Where the counts cannot decide (no rank is behind in any group, or a rank did not
-report them), the phase does, as on a host-blocking backend: ranks waiting in a
+On NCCL a GPU that never finishes a kernel leaves every host's *issued* counts equal (each
+host enqueues the same collectives, then blocks at its next host sync): there what
+*completed* decides: per group the last collective started and completed (Flight
+Recorder's status), or where each GPU is by the probe's latest completed CUDA events (a
+victim's GPU waits inside a collective, the culprit's is stuck elsewhere or behind).
+Where no count decides, the phase does, as on a host-blocking backend: ranks waiting in a
 collective (``allreduce_wait``, ``collective_wait``) at the latest step are victims,
-a rank stuck elsewhere or at an earlier step is a culprit. The same rules serve the
+a rank stuck elsewhere or at an earlier step is a culprit. A rule that would blame every
+rank, or none of several, decides nothing: the verdict is then ``undecided``, with the
+evidence, never "every rank". The same rules serve the
 live watchdog (on the states read from the store) and the post-hoc analyzer (on the
 states the ranks' events recorded), so both name the same ranks.
 """
@@ -26,13 +32,20 @@ from typing import Any
 
 WAITING = ("allreduce_wait", "collective_wait")
 TERMINAL = ("sigterm", "exception", "closed")
+#: What a rank's note may hold beside its issued counts: per group the last collective started and
+#: completed (Flight Recorder's status), and where its GPU is (``devices.device_progress``).
+PROGRESS_KEYS = ("started", "completed", "device")
+#: The per-group counts that can decide, in the order they are tried, and the basis each names.
+COUNT_RULES = (("collectives", "collective counts"), ("started", "started counts"),
+               ("completed", "completed counts"))  # fmt: skip
 
 
-def waits_for(states: dict[int, dict[str, Any]]) -> dict[int, set[int]]:
-    """For each rank, the ranks it waits for: members of a group that issued fewer collectives."""
+def waits_for(states: dict[int, dict[str, Any]], key: str = "collectives") -> dict[int, set[int]]:
+    """For each rank, the ranks it waits for: members of a group with a lower count under ``key``
+    (issued, started or completed collectives)."""
     groups: dict[str, dict[int, int]] = {}
     for rank, state in states.items():
-        for group, count in (state.get("collectives") or {}).items():
+        for group, count in (state.get(key) or {}).items():
             groups.setdefault(str(group), {})[rank] = int(count)
     edges: dict[int, set[int]] = {r: set() for r in states}
     for counts in groups.values():
@@ -57,42 +70,110 @@ def _reachable_cycle(edges: dict[int, set[int]], blamed: set[int]) -> set[int]:
     return on_cycle
 
 
+def _by_counts(alive: dict[int, dict[str, Any]], key: str) -> list[int] | None:
+    """The ranks the others wait for by the counts under ``key``; None when some rank has no such
+    counts or they are equal in every group (they do not decide)."""
+    if not all(s.get(key) for s in alive.values()):
+        return None
+    edges = waits_for(alive, key)
+    blamed = set().union(*edges.values())
+    if not blamed:
+        return None
+    waiting = {r for r, e in edges.items() if e}
+    return sorted((blamed - waiting) or _reachable_cycle(edges, blamed) or blamed)
+
+
+def _device(state: dict[str, Any]) -> dict[str, Any] | None:
+    d = state.get("device")
+    return d if isinstance(d, dict) and d.get("step") is not None and d.get("phase") else None
+
+
+def _by_phases(alive: dict[int, dict[str, Any]], where: Any) -> list[int] | None:
+    """Ranks not waiting in a collective at the latest step, by ``where(state) -> (step, phase)``;
+    None where that blames every rank or none of several (it tells no culprit from a victim)."""
+    at = {r: where(s) for r, s in alive.items()}
+    latest = max(int(step) for step, _ in at.values())
+    stuck = sorted(r for r, (step, phase) in at.items() if phase not in WAITING or int(step) < latest)
+    if len(alive) > 1 and len(stuck) in (0, len(alive)):
+        return None
+    return stuck
+
+
+def _waiting(state: dict[str, Any]) -> bool:
+    """Blocked in a collective, on the host or (where known) on the GPU."""
+    device = _device(state)
+    return state.get("phase") in WAITING or (device is not None and device["phase"] in WAITING)
+
+
+def _undecided(alive: dict[int, dict[str, Any]]) -> str:
+    """What was compared, for a verdict that names nobody."""
+    def counts(s: dict[str, Any], key: str) -> str:
+        return ",".join(f"{g}:{c}" for g, c in sorted((s.get(key) or {}).items())) or "?"
+
+    parts = []
+    for r, s in sorted(alive.items()):
+        text = f"rank {r}: step {s.get('step')} {s.get('phase')}, issued {counts(s, 'collectives')}"
+        if s.get("completed"):
+            text += f", completed {counts(s, 'completed')}"
+        if _device(s):
+            text += f", GPU in {s['device']['phase']} (step {s['device']['step']})"
+        parts.append(text)
+    return ("no rank is behind the others: every one issued and completed the same collectives and is "
+            "in the same kind of phase; " + "; ".join(parts))  # fmt: skip
+
+
 def classify(states: dict[int, dict[str, Any] | None], world_size: int) -> dict[str, Any]:
-    """Culprits, victims and silent ranks from each rank's ``{"step", "phase", "collectives"}``
-    (None: nothing heard); ``basis`` says whether collective counts or phases decided."""
+    """Culprits, victims and silent ranks from each rank's ``{"step", "phase", "collectives"}`` and,
+    where known, what it completed (:data:`PROGRESS_KEYS`); None: nothing heard.
+
+    The rules, in order, each used only where it decides: the collectives each rank *issued* per
+    group, then the silent ranks (the others issued the same and wait for them), the collectives
+    *started* and *completed* per group (on NCCL a stuck GPU leaves the issued counts equal), where
+    each GPU is (inside a collective or not), and last the host phases. ``basis`` names the rule;
+    where none decides, ``basis`` is ``undecided``, ``culprit_ranks`` holds only silent ranks, and
+    ``detail`` says what was compared: never "every rank"."""
     alive = {r: s for r, s in states.items() if s is not None and 0 <= r < world_size}
     silent = sorted(set(range(world_size)) - set(alive))
     if not alive:
         return {"culprit_ranks": silent, "victim_ranks": [], "silent_ranks": silent, "step": None, "phase": None,
-                "basis": "silence"}  # fmt: skip
+                "basis": "silence", "undecided": False}  # fmt: skip
     counted = all(s.get("collectives") for s in alive.values())
-    edges = waits_for(alive) if counted else {}
-    blamed = set().union(*edges.values()) if edges else set()
-    if blamed:
-        waiting = {r for r, e in edges.items() if e}
-        stuck = sorted((blamed - waiting) or _reachable_cycle(edges, blamed) or blamed)
-        basis = "collective counts"
-    elif counted and silent:  # every rank that spoke issued the same collectives: they wait for the silent
-        stuck, basis = [], "collective counts"
-    else:
-        latest = max(int(s["step"]) for s in alive.values())
-        stuck = sorted(r for r, s in alive.items() if s.get("phase") not in WAITING or int(s["step"]) < latest)
-        basis = "phases"
+    stuck, basis = _by_counts(alive, "collectives"), "collective counts"
+    if stuck is None and counted and silent:  # every rank that spoke issued the same: they wait for the silent
+        stuck = []
+    for key, name in COUNT_RULES[1:]:
+        if stuck is None:
+            stuck, basis = _by_counts(alive, key), name
+    on_device = stuck is None and all(_device(s) for s in alive.values())
+    if on_device:
+        stuck, basis = _by_phases(alive, lambda s: (s["device"]["step"], s["device"]["phase"])), "device progress"
+    if stuck is None:
+        stuck, basis = _by_phases(alive, lambda s: (s["step"], s.get("phase"))), "phases"
+    undecided = stuck is None and not silent
+    if stuck is None:  # nobody is behind: the silent ranks, if any, are what the others wait for
+        stuck, basis = [], "undecided" if undecided else "silence"
     culprits = sorted(set(stuck) | set(silent))
-    victims = sorted(r for r in alive if r not in culprits)
+    victims = sorted(r for r in alive if r not in culprits and (not undecided or _waiting(alive[r])))
     first = next((alive[r] for r in stuck), None)
     latest_state = max(alive.values(), key=lambda s: int(s["step"]))
     # behind, yet itself blocked in a collective: a collective the others never issue (mismatch)?
     mismatch = basis == "collective counts" and bool(stuck) and all(alive[r].get("phase") in WAITING for r in stuck)
-    return {
+    phase = first.get("phase") if first else (latest_state.get("phase") if victims else None)
+    if first is not None and basis == "device progress":
+        phase = f"{first['device']['phase']} (on the GPU)"
+    verdict = {
         "culprit_ranks": culprits,
         "victim_ranks": victims,
         "silent_ranks": silent,
         "step": int(first["step"]) if first else int(latest_state["step"]),
-        "phase": first.get("phase") if first else (latest_state.get("phase") if victims else None),
+        "phase": phase,
         "basis": basis,
         "mismatch_suspected": mismatch,
+        "undecided": undecided,
     }
+    if undecided:
+        verdict["detail"] = _undecided(alive)
+    return verdict
 
 
 def _cluster(events: list[dict[str, Any]], gap_s: float) -> list[list[dict[str, Any]]]:
@@ -122,7 +203,8 @@ def hangs_from_events(
                     states[int(rank)] = state
             if ev.get("kind") == "stall":  # what the rank itself was doing when it noticed
                 states[int(ev["rank"])] = {"step": ev["step"], "phase": ev["phase"],
-                                           "collectives": ev.get("collectives")}  # fmt: skip
+                                           "collectives": ev.get("collectives"),
+                                           **{k: ev[k] for k in PROGRESS_KEYS if ev.get(k) is not None}}  # fmt: skip
         heard_all = any(e.get("kind") == "diagnosis" and e.get("evidence") == "store" for e in group)
         # with only local evidence, a rank that recorded nothing is not known to be silent
         verdict = classify(states, world_size) if heard_all else local_verdict(states, world_size)

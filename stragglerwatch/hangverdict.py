@@ -49,8 +49,9 @@ def _from_watchdog(hangs: list[dict[str, Any]]) -> dict[str, Any] | None:
     live = [h for h in hangs if not h.get("recovered")]
     h = (live or hangs)[-1]
     basis, evidence = h.get("basis"), h.get("evidence")
-    strength = {("store", "collective counts"): 4, ("store", "phases"): 2, ("local", "phases"): 1}.get(
-        (evidence, basis), 1 if evidence == "shutdown" else 1)
+    strength = {("store", "collective counts"): 4, ("store", "started counts"): 4, ("store", "completed counts"): 4,
+                ("store", "device progress"): 3, ("store", "phases"): 2, ("local", "phases"): 1,
+                ("store", "undecided"): 0}.get((evidence, basis), 1)  # fmt: skip
     where = f"step {h.get('step')}, phase {h.get('phase')}"
     state = "recovered" if h.get("recovered") else "not recovered"
     says = (f"ranks {h['culprit_ranks']} stuck at {where} ({state}); victims {h.get('victim_ranks', [])}"

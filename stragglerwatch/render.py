@@ -83,6 +83,14 @@ def context_text(straggler: dict[str, Any]) -> str:
     return "; ".join(f["text"] for f in straggler.get("context") or [])
 
 
+_BASIS_TEXT = {
+    "collective counts": " (by the collectives each rank issued)",
+    "started counts": " (by the collectives each rank's GPU started)",
+    "completed counts": " (by the collectives each rank completed)",
+    "device progress": " (by where each rank's GPU is: inside a collective or not)",
+}
+
+
 def hang_line(h: dict[str, Any]) -> str:
     """One sentence on a hang: who, where, who waited, what became of it."""
     culprits = _ranks(h.get("culprit_ranks", [])) or "none identified"
@@ -92,8 +100,9 @@ def hang_line(h: dict[str, Any]) -> str:
         text += f" (silent: {_ranks(h['silent_ranks'])}, dead or stuck in native code)"
     if h.get("victim_ranks"):
         text += f"; waiting for it in a collective: {_ranks(h['victim_ranks'])}"
-    if h.get("basis") == "collective counts":
-        text += " (by the collectives each rank issued)"
+    text += _BASIS_TEXT.get(str(h.get("basis")), "")
+    if h.get("undecided"):
+        text += f"; undecided: {str(h.get('detail', ''))[:400]}"
     if h.get("mismatch_suspected"):
         text += "; the culprits are themselves blocked in a collective: one the others never issue (mismatch)?"
     if h.get("waited_s"):

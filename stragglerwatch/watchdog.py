@@ -11,6 +11,9 @@ rank's progress under a key of the c10d store that the process group already use
 (its own client connection with a short timeout, so a dead store costs seconds,
 never a hang), with the number of collectives it has issued in each process group
 (the groups' own sequence numbers, read here, not counted on the training thread),
+what completed (Flight Recorder's last started and completed collective per group, where it
+tracks them; on a CUDA job, where the GPU is, from the probe's latest events: on NCCL a stuck
+GPU leaves every host's issued counts equal, and only what completed tells it),
 waits a grace period for the others to do the same, reads them and writes a
 ``diagnosis`` event (``hangs.classify``: culprits, victims, silent ranks).
 When progress resumes, a ``recovery`` event follows. Every failure of ours is
@@ -52,9 +55,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .hangs import classify, local_verdict
+from .hangs import PROGRESS_KEYS, classify, local_verdict
 from .log import Problems
-from .peers import PeerBoard, collective_counts
+from .peers import PeerBoard, collective_counts, collective_progress
 
 if TYPE_CHECKING:  # the probe needs torch; reading a run's events must not
     from .probes import StepProbe
@@ -208,8 +211,10 @@ class Watchdog:
         ids: dict[str, Any] | None = None,
         problems: Problems | None = None,
         fr_path: Path | None = None,
+        device: Callable[[], dict[str, Any] | None] | None = None,
     ):
         self.probe = probe
+        self.device = device  # CUDA timing: where this rank's GPU is (``devices.device_progress``)
         self.fr_path = fr_path  # where the Flight Recorder dump goes at a stall; None: none
         self.native = native
         self.ids = ids or {}  # restart and attach, on every event
@@ -326,9 +331,24 @@ class Watchdog:
         self.timeouts_by_phase[phase] = self.timeouts_by_phase.get(phase, 0) + 1
         ev = self._event("stall", (step, phase, since), id=stall_id, waited_s=round(now - since, 3),
                          threshold_s=round(threshold, 3), collectives=collective_counts(),
-                         stacks=thread_stacks())  # fmt: skip
+                         **self._progress(), stacks=thread_stacks())  # fmt: skip
         self._diagnose(ev, grace_s=max(2.0, 2 * statistics.median(self.probe.recent_steps or [0.0])))
         self._flight_recorder(stall_id)
+
+    def _progress(self) -> dict[str, Any]:
+        """What completed, beside what was issued: per group the last started and completed
+        collective (Flight Recorder's status, where tracked) and where this rank's GPU is."""
+        out: dict[str, Any] = {}
+        try:
+            out.update(collective_progress())
+        except Exception:
+            self.errors += 1
+        if self.device is not None:
+            try:
+                out["device"] = self.device()
+            except Exception:
+                self.errors += 1
+        return out
 
     def _flight_recorder(self, stall_id: str) -> None:
         if self.fr_path is None:
@@ -344,7 +364,8 @@ class Watchdog:
 
     def _diagnose(self, stall: dict[str, Any], grace_s: float) -> None:
         own = {"step": stall["step"], "phase": stall["phase"], "since": stall["since"], "at": stall["detected_at"],
-               "collectives": stall["collectives"]}  # fmt: skip
+               "collectives": stall["collectives"],
+               **{k: stall[k] for k in PROGRESS_KEYS if stall.get(k) is not None}}  # fmt: skip
         states = None
         if self.board is not None and self.board.publish(own):
             self._stop.wait(grace_s)

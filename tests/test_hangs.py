@@ -74,9 +74,11 @@ def test_counts_hold_where_the_host_phase_lies() -> None:
     }
     v = classify(notes, 4)
     assert (v["culprit_ranks"], v["victim_ranks"]) == ([1], [0, 2, 3]) and v["basis"] == "collective counts"
-    # the phases alone would blame every rank: nobody is "waiting in a collective" on the host
+    # the phases alone would blame every rank (nobody is "waiting in a collective" on the host): they decide
+    # nothing, and the verdict says so with what it compared instead of naming everybody
     phases_only = classify({r: {k: x for k, x in s.items() if k != "collectives"} for r, s in notes.items()}, 4)
-    assert phases_only["culprit_ranks"] == [0, 1, 2, 3]
+    assert phases_only["culprit_ranks"] == [] and phases_only["basis"] == "undecided" and phases_only["undecided"]
+    assert "rank 1: step 10 data_wait" in phases_only["detail"]
 
 
 def test_counts_across_groups_find_the_end_of_the_chain() -> None:
@@ -102,9 +104,11 @@ def test_counts_cycle_silence_mismatch_and_a_device_hang() -> None:
     # rank 0 alone issued an extra collective (a broadcast the others never issue), all block in one
     mismatch = classify({0: st(4, "collective_wait", **{"0": 12}), 1: st(4, "collective_wait", **{"0": 11})}, 2)
     assert mismatch["culprit_ranks"] == [1] and mismatch["mismatch_suspected"]
-    # every rank issued the same collectives and none is silent: not a collective hang; the phases speak
+    # every rank issued the same collectives, none is silent, every rank blocks outside a collective (NCCL:
+    # at .item()): neither the counts nor the phases tell a culprit, so nobody is named
     device = classify({0: st(4, "other", **{"0": 11}), 1: st(4, "other", **{"0": 11})}, 2)
-    assert device["basis"] == "phases" and device["culprit_ranks"] == [0, 1]
+    assert device["basis"] == "undecided" and device["culprit_ranks"] == [] and device["victim_ranks"] == []
+    assert "issued 0:11" in device["detail"]
     # a rank that reported no counts: the phases decide, as before
     mixed = classify({0: st(4, W, **{"0": 11}), 1: {"step": 4, "phase": "data_wait"}}, 2)
     assert mixed["basis"] == "phases" and mixed["culprit_ranks"] == [1]
@@ -224,3 +228,57 @@ def test_uncaught_exception_is_recorded(tmp_path: Path, exc: Exception) -> None:
         sys.excepthook = original
     kinds = [(e["kind"], e.get("reason", "")) for e in read_events(tmp_path / "run")[0]]
     assert kinds[0] == ("exception", f"{type(exc).__name__}: {exc}") and seen == [type(exc)]
+
+
+def nccl_note(step: int, issued: int, completed: int | None = None, started: int | None = None,
+              gpu: tuple[int, str] | None = None) -> dict:
+    """A rank's note on NCCL: the host blocks at ``.item()`` (phase other) whatever its GPU does."""
+    note: dict = {"step": step, "phase": "other", "collectives": {"0": issued}}
+    if completed is not None:
+        note["completed"] = {"0": completed}
+    if started is not None:
+        note["started"] = {"0": started}
+    if gpu is not None:
+        note["device"] = {"step": gpu[0], "phase": gpu[1]}
+    return note
+
+
+def test_a_stuck_gpu_on_nccl_is_told_by_what_completed() -> None:
+    """Rank 2's GPU never finishes a backward kernel. Every host enqueued the same 40 collectives and blocks
+    at its loss's .item(): issued counts are equal and every host phase is "other"."""
+    # Flight Recorder with timing on (started tracked): the peers' GPUs started #37, rank 2's did not
+    started = classify({r: nccl_note(9, 40, completed=36, started=36 if r == 2 else 37) for r in range(4)}, 4)
+    assert (started["culprit_ranks"], started["victim_ranks"], started["basis"]) == ([2], [0, 1, 3], "started counts")
+    # completed counts (NCCL's default: no start events): rank 1 never completed the broadcast of its subgroup
+    completed = classify({r: nccl_note(9, 40, completed=35 if r == 1 else 36) for r in range(4)}, 4)
+    assert (completed["culprit_ranks"], completed["basis"]) == ([1], "completed counts")
+    # equal started and completed counts: where each GPU is (the probe's latest completed CUDA event) decides
+    gpus = {0: (9, "allreduce_wait"), 1: (9, "allreduce_wait"), 2: (9, "backward"), 3: (9, "allreduce_wait")}
+    device = classify({r: nccl_note(9, 40, completed=36, gpu=gpus[r]) for r in range(4)}, 4)
+    assert (device["culprit_ranks"], device["victim_ranks"]) == ([2], [0, 1, 3])
+    assert device["basis"] == "device progress" and device["phase"] == "backward (on the GPU)"
+    # a GPU that has not even reached its oldest mark kept is behind, hence the culprit
+    behind = {**gpus, 2: (8, "behind")}
+    behind_v = classify({r: nccl_note(9, 40, completed=36, gpu=behind[r]) for r in range(4)}, 4)
+    assert behind_v["culprit_ranks"] == [2]
+    # every GPU inside the same collective, counts equal: the collective itself (transport, network) is stuck;
+    # undecided, with the evidence, and every rank a waiting victim of it
+    inside = classify({r: nccl_note(9, 40, completed=36, gpu=(9, "collective_wait")) for r in range(4)}, 4)
+    assert inside["undecided"] and inside["culprit_ranks"] == [] and inside["victim_ranks"] == [0, 1, 2, 3]
+    assert "GPU in collective_wait (step 9)" in inside["detail"] and "completed 0:36" in inside["detail"]
+    # issued counts, where they differ, still come first (a host stuck before issuing)
+    host = classify({r: nccl_note(9, 38 if r == 3 else 40, completed=36, gpu=(9, "backward")) for r in range(4)}, 4)
+    assert host["culprit_ranks"] == [3] and host["basis"] == "collective counts"
+
+
+def test_progress_travels_from_the_stall_events_to_the_post_hoc_verdict() -> None:
+    """The same rules post hoc: the stall events carry what completed, the diagnosis the peers' notes."""
+    peers = {str(r): {**nccl_note(9, 40, completed=36, gpu=(9, "backward" if r == 1 else "allreduce_wait")),
+                      "at": 100.0} for r in range(3)}  # fmt: skip
+    events = [{"kind": "stall", "rank": r, "step": 9, "phase": "other", "since": 90.0, "detected_at": 100.0 + r,
+               "threshold_s": 10.0, "waited_s": 10.0, "id": f"{r}-9", "collectives": {"0": 40},
+               "completed": {"0": 36}, "device": peers[str(r)]["device"]} for r in range(3)]  # fmt: skip
+    events.insert(0, {"kind": "diagnosis", "rank": 0, "step": 9, "phase": "other", "detected_at": 99.0,
+                      "evidence": "store", "peers": peers, "stall_id": "0-9"})  # the stall events come after it
+    (hang,) = hangs_from_events(events, 3)
+    assert hang["culprit_ranks"] == [1] and hang["basis"] == "device progress"
