@@ -124,3 +124,35 @@ def test_stall_in_model_with_buffers(tmp_path: Path, capsys: pytest.CaptureFixtu
     diagnoses = [e for e in read_events(run)[0] if e["kind"] == "diagnosis"]
     assert {e["rank"] for e in diagnoses} == {0, 1, 2, 3}
     assert all(e["culprit_ranks"] == [1] and e["victim_ranks"] == [0, 2, 3] for e in diagnoses)
+
+
+def test_synchronous_collectives_without_work_as_on_nccl(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """NCCL since torch 2.8: a synchronous collective returns no ``Work`` and is never waited on in Python.
+    The same job (an all-reduce in forward as SyncBatchNorm does, one in backward, the loop's loss all-reduce,
+    a data straggler) on plain gloo and on gloo made to behave so: the same verdict, the same waits."""
+    flags = ("--sync-stats", "--log-loss", "--slow-rank", "1", "--cause", "data", "--steps", "40")
+    plain_run, plain = run_loop(tmp_path / "plain", 3, *flags)
+    like_run, like = run_loop(tmp_path / "nccl-like", 3, *flags, "--nccl-like")
+    for rank in range(3):
+        counts = json.loads((like_run / f"nccl-like-{rank}.json").read_text())
+        assert counts["finished"] >= 3 * 40, f"rank {rank}: the collectives finished in the call, no Work: {counts}"
+    only_straggler(report(plain_run, capsys), 1, "data")
+    only_straggler(report(like_run, capsys), 1, "data")
+    a, b = medians(plain), medians(like)
+    for med in (a, b):
+        assert (med.drop(index=1)["collective_wait_s"] > 12 * MS).all(), "the peers wait for rank 1's data"
+    diff = (a["collective_wait_s"] - b["collective_wait_s"]).abs()
+    assert (diff < 4 * MS).all(), f"collective_wait_s (ms), plain:\n{a['collective_wait_s'] * 1e3}\nNCCL-like:\n" \
+                                  f"{b['collective_wait_s'] * 1e3}"
+    assert b["forward_s"].max() < 8 * MS, "the peers' wait in forward's all-reduce is communication, not forward"
+
+
+def test_cuda_event_timing_across_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The CUDA path end to end in a real multi-rank job: every phase from (fake) CUDA events on the compute
+    stream, read lazily by the log thread, with NCCL's synchronous collectives; the data straggler is found."""
+    run, df = run_loop(tmp_path, 3, "--sync-stats", "--log-loss", "--slow-rank", "2", "--cause", "data",
+                       "--steps", "40", "--nccl-like", "--fake-cuda")  # fmt: skip
+    assert set(df["timing"]) == {"cuda"} and len(df) == 3 * 40
+    only_straggler(report(run, capsys), 2, "data")
+    med = medians(df)
+    assert (med.drop(index=2)["collective_wait_s"] > 12 * MS).all()

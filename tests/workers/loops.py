@@ -7,8 +7,11 @@ GPU; DDP refuses SyncBatchNorm on CPU), ``--nested`` (the model returns a datacl
 holding a dict holding a list), ``--two-optimizers``, ``--closure``
 (``optimizer.step(closure)``), ``--log-loss`` (the loop all-reduces its loss every step),
 ``--eval-every N`` (an evaluation pass under ``no_grad``, on rank 0 only with
-``--eval-rank0``, then a barrier), ``--scaler-skip-at N`` (GradScaler, with an inf loss at
-step N that makes it skip the optimizer step). Injections: a slow rank (compute, data,
+``--eval-rank0``, then a barrier), ``--nccl-like`` (gloo's synchronous collectives finish in
+the process-group call and return no ``Work``, as NCCL's do since torch 2.8), ``--fake-cuda``
+(CUDA-event timing on the fake CUDA layer of ``tests/fake_cuda.py``),
+``--scaler-skip-at N`` (GradScaler, with an inf loss at step N that makes it skip the
+optimizer step). Injections: a slow rank (compute, data,
 optimizer) and a stall before a step's batch.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -29,6 +33,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import stragglerwatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fake_cuda import install as install_fake_cuda  # noqa: E402 - in tests/
+from nccl_like import emulate  # noqa: E402 - beside this file
 from train_ddp import _Slow as Slow  # noqa: E402 - the example's compute injection: sleeps in forward and backward
 
 
@@ -83,7 +90,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--batch", type=int, default=32)
-    for flag in ("--bn", "--sync-stats", "--nested", "--two-optimizers", "--closure", "--log-loss", "--eval-rank0"):
+    for flag in ("--bn", "--sync-stats", "--nested", "--two-optimizers", "--closure", "--log-loss", "--eval-rank0",
+                 "--nccl-like", "--fake-cuda"):
         p.add_argument(flag, action="store_true")
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--eval-batches", type=int, default=20)
@@ -103,6 +111,7 @@ def main() -> None:
     args = parse()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    emulation = emulate() if args.nccl_like else None
     rank = dist.get_rank()
     torch.manual_seed(rank)
     step = 0
@@ -116,7 +125,11 @@ def main() -> None:
         optimizers = [torch.optim.SGD(params[:2], lr=0.01), torch.optim.Adam(params[2:], lr=1e-3)]
     else:
         optimizers = [torch.optim.SGD(params, lr=0.01, momentum=0.9)]
-    watch = stragglerwatch.attach(model, args.run_dir, watchdog_timeout_s=args.watchdog_timeout)
+    timing = None
+    if args.fake_cuda:
+        install_fake_cuda()
+        timing = "cuda"
+    watch = stragglerwatch.attach(model, args.run_dir, watchdog_timeout_s=args.watchdog_timeout, timing=timing)
     optimizers[-1].register_step_pre_hook(lambda *_: time.sleep(slow("optimizer")))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if args.scaler_skip_at >= 0 else None
     loss_fn = nn.CrossEntropyLoss()
@@ -175,6 +188,9 @@ def main() -> None:
             dist.barrier()
     watch.close()
     dist.barrier()
+    if emulation is not None:  # the test checks the emulation took hold
+        counts = {"finished": emulation.finished, "returned": emulation.returned}
+        (Path(args.run_dir) / f"nccl-like-{rank}.json").write_text(json.dumps(counts))
     dist.destroy_process_group()
 
 
