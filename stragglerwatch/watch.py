@@ -21,8 +21,10 @@ goes into the rank's metadata (``busy_unavailable``), where ``analyze`` and the 
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -219,6 +221,34 @@ class Watch:
         self.problems.report("close", f"close: {len(steps)} step(s) from step {steps[0]} not recorded: the GPU "
                              "had not finished them within close_timeout_s (stuck behind a collective?)")  # fmt: skip
 
+    def _in_forked_child(self) -> None:
+        """A fork of the watched process (a DataLoader worker, a fork ``Pool``, ``os.fork()``): ours is
+        inert there from its first instruction. Signal handler, wakeup fd and excepthook go back to
+        what they were before us; no thread of ours runs there (threads do not survive a fork) and
+        none is started; nothing is written, flushed or closed into the parent's files: the child's
+        copies of our descriptors are pointed at /dev/null, so that even its exit flushes nowhere."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if self._probe is not None:
+            self._probe.enabled = False
+        if self._shutdown is not None:
+            self._shutdown.forked()
+        for h in self._handles:  # the child's own copies of our taps and shadows: plain methods again
+            try:
+                h.remove()
+            except Exception:
+                pass
+        self._handles.clear()
+        files = [getattr(self._writer, "_file", None), getattr(self._context, "_file", None)]
+        native = getattr(self._watchdog, "native", None)
+        if native is not None:  # disarmed before the fork (NativeStacks.before_fork): only its file is left
+            files.append(native._file)
+        server = getattr(self._exporter, "server", None)
+        files.append(getattr(server, "socket", None))
+        _point_at_devnull(files)
+
     def __enter__(self) -> Watch:
         return self
 
@@ -230,6 +260,46 @@ class Watch:
             return "Watch(disabled)"
         state = "closed" if self._closed else "open"
         return f"Watch(run={self.info.run_id!r}, rank={self.info.rank}, steps={self.steps}, {state})"
+
+
+def _point_at_devnull(files: list[Any]) -> None:
+    fds = []
+    for f in files:
+        try:
+            if f is not None:
+                fds.append(f.fileno())
+        except Exception:
+            continue
+    if not fds:
+        return
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in fds:
+            try:
+                os.dup2(devnull, fd)
+            except OSError:
+                pass
+    finally:
+        os.close(devnull)
+
+
+def _at_fork(ref: weakref.ReferenceType[Watch], when: str) -> None:
+    """``os.register_at_fork``'s hooks of one Watch (a weak reference: a closed Watch is not kept)."""
+    watch = ref()
+    if watch is None or watch._closed:
+        return
+    native = getattr(watch._watchdog, "native", None)
+    try:
+        if when == "before" and native is not None:
+            native.before_fork()
+        elif when == "parent" and native is not None:
+            native.after_fork_in_parent()
+        elif when == "child":
+            if native is not None:
+                native.after_fork_in_child()
+            watch._in_forked_child()
+    except Exception:
+        pass
 
 
 def attach(
@@ -277,6 +347,10 @@ def attach(
         problems.report("attach", f"cannot watch this model ({type(exc).__name__}: {exc}); training goes on unwatched")
         return Watch()
     atexit.register(watch.close)  # a strong reference: `attach(model)` as a bare statement records too
+    ref = weakref.ref(watch)
+    os.register_at_fork(before=functools.partial(_at_fork, ref, "before"),
+                        after_in_parent=functools.partial(_at_fork, ref, "parent"),
+                        after_in_child=functools.partial(_at_fork, ref, "child"))  # fmt: skip
     return watch
 
 

@@ -146,23 +146,32 @@ class NativeStacks:
     The watchdog thread re-arms ``faulthandler.dump_traceback_later`` about once a second with a
     timeout of its stall threshold; if it cannot run that long (the GIL is held), faulthandler's
     C thread writes every thread's stack to ``stacks-NNNNN.txt``. ``collect`` returns what a
-    dump added, once the rank runs again; if it never does, the file is the evidence."""
+    dump added, once the rank runs again; if it never does, the file is the evidence.
+
+    A fork must not happen while the timer is armed: faulthandler's timer thread does not exist
+    in the child, and the child's exit (which cancels the timer) would wait for it forever. So
+    :meth:`before_fork` disarms it (holding the lock that arming takes, across the fork) and
+    :meth:`after_fork_in_parent` arms it again."""
 
     def __init__(self, path: Path):
         self.path = path
         self._file: Any = None
         self._armed_at = -1e9
+        self._timeout_s: float | None = None  # the timer armed now, if any
         self._seen = 0
+        self._lock = threading.Lock()
+        self._rearm: float | None = None
 
     def arm(self, timeout_s: float) -> None:
-        now = time.monotonic()
-        if now - self._armed_at < 1.0:
-            return
-        if self._file is None:
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - faulthandler writes to its fd
-            self._seen = self.path.stat().st_size
-        faulthandler.dump_traceback_later(timeout_s, repeat=False, file=self._file, exit=False)
-        self._armed_at = now
+        with self._lock:
+            now = time.monotonic()
+            if now - self._armed_at < 1.0:
+                return
+            if self._file is None:
+                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - faulthandler writes to its fd
+                self._seen = self.path.stat().st_size
+            faulthandler.dump_traceback_later(timeout_s, repeat=False, file=self._file, exit=False)
+            self._armed_at, self._timeout_s = now, timeout_s
 
     def collect(self) -> str | None:
         if self._file is None:
@@ -176,17 +185,38 @@ class NativeStacks:
         self._seen = size
         return text
 
+    def _disarm(self) -> None:
+        if self._timeout_s is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._armed_at, self._timeout_s = -1e9, None
+
     def pause(self) -> None:
         """Disarm until the next ``arm`` (while the watchdog thread waits on purpose)."""
-        if self._file is not None:
-            faulthandler.cancel_dump_traceback_later()
-            self._armed_at = -1e9
+        with self._lock:
+            self._disarm()
 
     def cancel(self) -> None:
-        if self._file is not None:
-            faulthandler.cancel_dump_traceback_later()
-            self._file.close()
-            self._file = None
+        with self._lock:
+            self._disarm()
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def before_fork(self) -> None:
+        self._lock.acquire()
+        self._rearm = self._timeout_s
+        self._disarm()
+
+    def after_fork_in_parent(self) -> None:
+        try:
+            if self._rearm is not None and self._file is not None:
+                faulthandler.dump_traceback_later(self._rearm, repeat=False, file=self._file, exit=False)
+                self._armed_at, self._timeout_s = time.monotonic(), self._rearm
+        finally:
+            self._lock.release()
+
+    def after_fork_in_child(self) -> None:
+        self._lock.release()  # the child's copy, held by the thread that forked: this one
 
 
 class Watchdog:
@@ -403,14 +433,22 @@ class Watchdog:
 
 
 class ShutdownHooks:
-    """SIGTERM handler (main thread only), wakeup fd for the watchdog, uncaught-exception hook."""
+    """SIGTERM handler (main thread only), wakeup fd for the watchdog, uncaught-exception hook.
+
+    Only this process's signals count: the handler and the wakeup pipe are inherited by a forked
+    child (a DataLoader worker, a fork ``Pool``), where :meth:`forked` puts back what was there
+    before us; a signal the handler sees in another process than ours passes straight on. After
+    :meth:`remove` the handler, if it could not be taken off (``close()`` off the main thread, or
+    somebody chained to it since), is a plain pass-through to what came before it."""
 
     def __init__(self, watchdog: Watchdog):
         self.watchdog = watchdog
+        self._pid = os.getpid()
         self._prev_handler: Any = None
         self._prev_excepthook = sys.excepthook
         self._pipe: tuple[int, int] | None = None
         self._prev_wakeup = -1
+        self._active = True  # False after remove(): the handler only passes the signal on
         sys.excepthook = self._excepthook
         if threading.current_thread() is not threading.main_thread():
             return
@@ -432,23 +470,27 @@ class ShutdownHooks:
         except (ValueError, OSError):
             pass
 
+    def _ours(self) -> bool:
+        return self._active and os.getpid() == self._pid
+
     def _exits_by_default(self) -> bool:
         """True while ours is the SIGTERM handler and there was none before it: then the default
         action (ending the process) is what SIGTERM means. A handler of the application's,
         installed before attach (we chain to it) or after (it replaced ours), is never overridden."""
         try:
             ours = signal.getsignal(signal.SIGTERM) == self._on_sigterm
-            return ours and self._prev_handler in (signal.SIG_DFL, None)
+            return ours and self._ours() and self._prev_handler in (signal.SIG_DFL, None)
         except Exception:
             return False
 
     def _excepthook(self, exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-        if not issubclass(exc_type, KeyboardInterrupt):
+        if self._ours() and not issubclass(exc_type, KeyboardInterrupt):
             self.watchdog.on_terminate(f"{exc_type.__name__}: {exc}"[:500])
         self._prev_excepthook(exc_type, exc, tb)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self.watchdog.on_terminate("SIGTERM")
+        if self._ours():
+            self.watchdog.on_terminate("SIGTERM")
         prev = self._prev_handler
         if callable(prev):
             prev(signum, frame)
@@ -456,19 +498,37 @@ class ShutdownHooks:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
 
+    def _restore(self) -> None:
+        """Put back what was there before us where it is still ours (main thread only)."""
+        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, self._prev_handler if self._prev_handler is not None else signal.SIG_DFL)
+        if self._pipe is not None:
+            current = signal.set_wakeup_fd(-1)
+            if current != self._pipe[1]:  # somebody set their own since: theirs stays
+                signal.set_wakeup_fd(current)
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
+
+    def forked(self) -> None:
+        """In a forked child, before any of its own code: everything back to what it was before us."""
+        self._active = False
+        self.watchdog._wakeup = None
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._prev_excepthook
+        try:
+            self._restore()
+        except (ValueError, OSError):
+            pass
+
     def remove(self) -> None:
+        self._active = False
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._prev_excepthook
         if threading.current_thread() is not threading.main_thread():
-            return
+            return  # signals can be changed on the main thread only: ours stays, as a pass-through
         try:
-            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-                signal.signal(signal.SIGTERM, self._prev_handler if self._prev_handler is not None else signal.SIG_DFL)
-            if self._pipe is not None:
-                signal.set_wakeup_fd(-1)
-                self.watchdog._wakeup = None
-                for fd in self._pipe:
-                    os.close(fd)
-                self._pipe = None
+            self._restore()
+            self.watchdog._wakeup = None
         except (ValueError, OSError):
             pass
