@@ -51,6 +51,11 @@ from .timing import DROPPED, StepMarks, anatomy
 
 #: Marks waiting for their CUDA events before the oldest are given up on.
 MAX_PENDING = 4096
+#: Finished steps queued for the log thread before the oldest are dropped (a log thread that cannot
+#: write, or a job of very short steps with a very long flush interval).
+MAX_QUEUED = 8192
+#: Seconds close() waits for the compaction to Parquet of a complete stream beyond its bound.
+COMPACT_WAIT_S = 30.0
 #: Seconds a step may stay unresolved while a later step's end has completed on the device
 #: (its marks went where they never complete: a capture we did not see) before it is dropped.
 STALE_S = 10.0
@@ -145,7 +150,11 @@ class EventLogWriter:
         self._pending: deque[StepMarks] = deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._wake = threading.Condition()  # wakes the log thread's wait: a new interval, or close
+        self._wake = threading.Condition()  # wakes the log thread's wait: a new interval, a request, or close
+        self._requested: list[threading.Event] = []  # flushes asked for (request_flush), set when done
+        self._busy_since: float | None = None  # the log thread is writing since then
+        self._gave_up = False  # a request_flush gave up on a write that has not returned since
+        self._compacting = False
         self._file: Any = None
         self._writer: pa.RecordBatchStreamWriter | None = None
         self._synced_at = time.monotonic()
@@ -153,14 +162,46 @@ class EventLogWriter:
         self._thread.start()
 
     def submit(self, marks: StepMarks) -> None:
+        if len(self._queue) >= MAX_QUEUED:
+            self._queue.popleft()
+            self.dropped_steps += 1
         self._queue.append(marks)
 
     def _run(self) -> None:
         while not self._sleep():
+            with self._wake:
+                requested, self._requested = self._requested, []
+            self._busy_since = time.monotonic()
             try:
                 self.flush()
             except Exception as exc:  # never let the thread die of our own bug
                 self._fail("thread", f"step log thread: {type(exc).__name__}: {exc}")
+            finally:
+                self._busy_since = None
+            for done in requested:
+                done.set()
+
+    def request_flush(self, timeout_s: float = 5.0) -> bool:
+        """Have the log thread write every finished step now, and wait for it at most ``timeout_s``:
+        what the training thread calls (``Watch.flush``), which then never does I/O itself. Once a
+        wait has given up (a write that does not return: a filesystem that does not answer), later
+        requests return at once until that write has returned: the bound is paid once."""
+        if not self._thread.is_alive():
+            return False
+        if self._gave_up and self._busy_since is not None:
+            return False
+        done = threading.Event()
+        with self._wake:
+            self._requested.append(done)
+            self._wake.notify_all()
+        if done.wait(timeout_s):
+            self._gave_up = False
+            return True
+        self._gave_up = True
+        self._problems.report("log-stuck", f"the step log {self.path} was not written within {timeout_s:g} s "
+                              "(a filesystem that does not answer?): flushes do not wait for it again until "
+                              "it has")  # fmt: skip
+        return False
 
     def _sleep(self) -> bool:
         """Wait one flush interval, counted from the start of the wait and re-read whenever
@@ -169,6 +210,8 @@ class EventLogWriter:
         start = time.monotonic()
         with self._wake:
             while not self._stop.is_set():
+                if self._requested:
+                    return False
                 left = start + self.flush_interval_s - time.monotonic()
                 if left <= 0:
                     return False
@@ -282,14 +325,27 @@ class EventLogWriter:
     def close(self) -> None:
         """Stop the thread, write every step the device has finished, compact to Parquet.
 
-        Bounded: the log thread, the lock and the device together get ``close_timeout_s``; steps
-        whose events are still pending then (a GPU stuck behind a collective its peers never join)
-        are listed in :attr:`unresolved`, not waited for."""
+        Bounded: the log thread, the device and the last write together get ``close_timeout_s``;
+        steps whose events are still pending then (a GPU stuck behind a collective its peers never
+        join) are listed in :attr:`unresolved`, not waited for. The writing is done on a thread of
+        its own: if the filesystem does not answer, close returns at the bound all the same (said
+        once), and the stream written so far stays readable."""
         deadline = time.monotonic() + self.close_timeout_s
         self._stop.set()
         with self._wake:
             self._wake.notify_all()
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        finisher = threading.Thread(target=self._finish, args=(deadline,), name=f"stragglerwatch-log-close-{self.rank}",
+                                    daemon=True)  # fmt: skip
+        finisher.start()
+        finisher.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+        if finisher.is_alive() and self._compacting:  # the stream is complete; a long one compacts for a while
+            finisher.join(timeout=COMPACT_WAIT_S)
+        if finisher.is_alive():
+            self._fail("finish", f"cannot finish {self.path} within close_timeout_s (a filesystem that does not "
+                       "answer?); what was written stays readable as a stream")  # fmt: skip
+
+    def _finish(self, deadline: float) -> None:
         self.flush(deadline=deadline, lock_timeout_s=max(0.0, deadline - time.monotonic()))
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             self._fail("finish", f"cannot finish {self.path}: the log is still busy (it stays readable as a stream)")
@@ -306,6 +362,7 @@ class EventLogWriter:
                 self._file.flush()
                 os.fsync(self._file.fileno())
                 self._file.close()
+                self._compacting = True
                 compact_stream(self.path)
             except Exception as exc:
                 self._fail("finish", f"cannot finish {self.path} (it stays readable as a stream): {exc}")

@@ -35,8 +35,9 @@ from typing import Any
 RUN_META = "run.json"
 MAX_RANKS = 1 << 24  # more ranks than any job has: a larger rank or world size is a damaged file
 LOGGER = logging.getLogger("stragglerwatch")
-_STORE_TIMEOUT = timedelta(seconds=120)
+_STORE_TIMEOUT = timedelta(seconds=120)  # the most a rank waits for rank 0's run id (less if the store's own is less)
 _attach_counter = itertools.count()  # this process's attach() calls: the records' `attach`
+_scoped_attaches: dict[str, itertools.count[int]] = {}  # per scope (run dir, model class): the agreement keys
 
 
 class AttachError(RuntimeError):
@@ -74,14 +75,15 @@ def _agree(dist: Any, rank: int, key: str, make: Any, fallback: str) -> str:
             value = make()
             store.set(key, value)
             return value
-        store.wait([key], _STORE_TIMEOUT)
+        own = getattr(store, "timeout", None)
+        store.wait([key], min(_STORE_TIMEOUT, own) if isinstance(own, timedelta) else _STORE_TIMEOUT)
         return store.get(key).decode()
     except Exception as exc:
         LOGGER.warning("stragglerwatch: could not agree on a run id through the store (%s); using %s", exc, fallback)
         return fallback
 
 
-def _job_suffix(dist: Any, rank: int, world: int, attach: int) -> str:
+def _job_suffix(dist: Any, rank: int, world: int, attach: str) -> str:
     """Six characters unique to this job, the same on every rank: from torchrun's run id (random per
     job in --standalone, the rendezvous id otherwise), else agreed through the store."""
     job = os.environ.get("TORCHELASTIC_RUN_ID", "")
@@ -94,13 +96,16 @@ def _job_suffix(dist: Any, rank: int, world: int, attach: int) -> str:
     return alike if world > 1 else uuid.uuid4().hex[:6]
 
 
-def discover(run_dir: str | os.PathLike[str] | None = None, run_id: str | None = None) -> RunInfo:
+def discover(run_dir: str | os.PathLike[str] | None = None, run_id: str | None = None, scope: str = "") -> RunInfo:
     """This process's identity and the run dir every rank writes to.
 
     The run id is ``run_id`` if given; else, in a run dir that already has a ``run.json``, its run
     id (a restart or a second attach continues the run); else the run dir's name plus a suffix
     unique to the job (two jobs whose run dirs share a name never share labels or target files);
-    without a run dir, a new id, agreed through the store, names the run dir too."""
+    without a run dir, a new id, agreed through the store, names the run dir too. The agreement's key
+    counts the attaches of one ``scope`` (the run dir and model the caller names), so that ranks
+    attaching other models a different number of times still agree on this one; a rank waits at most
+    the store's own timeout (and 120 s), and on failure keeps an id of its own, said once."""
     dist = _dist()
     if dist is not None:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -108,6 +113,9 @@ def discover(run_dir: str | os.PathLike[str] | None = None, run_id: str | None =
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     attach = next(_attach_counter)
+    scope_key = f"{run_dir or ''}|{scope}"
+    nth = next(_scoped_attaches.setdefault(scope_key, itertools.count()))
+    agreement = hashlib.sha1(f"{scope_key}|{nth}".encode()).hexdigest()[:12]
     try:
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
     except ValueError:
@@ -117,13 +125,13 @@ def discover(run_dir: str | os.PathLike[str] | None = None, run_id: str | None =
         if run_id is None:
             existing = read_run_meta(path)
             run_id = str(existing["run_id"]) if existing and existing.get("run_id") else None
-        run_id = run_id or f"{path.resolve().name}-{_job_suffix(dist, rank, world, attach)}"
+        run_id = run_id or f"{path.resolve().name}-{_job_suffix(dist, rank, world, agreement)}"
     else:
         if run_id is None:
             if dist is not None and world > 1:
                 job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
                 fallback = f"job-{job}" if job != "none" else "job-" + time.strftime("%Y%m%d")
-                run_id = _agree(dist, rank, f"stragglerwatch/run_id/{attach}", new_run_id, fallback)
+                run_id = _agree(dist, rank, f"stragglerwatch/run_id/{agreement}", new_run_id, fallback)
             elif world > 1:
                 raise AttachError(
                     "stragglerwatch: WORLD_SIZE > 1 but torch.distributed is not initialised; "

@@ -96,16 +96,39 @@ def dump_flight_recorder(path: Path) -> int | None:
     return entries
 
 
+#: The most a write of an event waits when the training thread makes it (close, SIGTERM, an exception).
+BOUNDED_WRITE_S = 1.0
+
+
 class EventFile:
-    """Append-only JSON Lines file of a rank's events, flushed and synced at every write."""
+    """Append-only JSON Lines file of a rank's events, flushed and synced at every write.
+
+    A write with ``timeout_s`` (one made on the training thread) runs on a thread of its own and
+    is waited for at most that long; while a write that did not return is still stuck (a
+    filesystem that does not answer), later ones are counted as errors, not waited for."""
 
     def __init__(self, path: Path):
         self.path = path
         self.errors = 0
         self._lock = threading.Lock()
+        self._stuck: threading.Thread | None = None
 
-    def write(self, event: dict[str, Any]) -> None:
+    def write(self, event: dict[str, Any], timeout_s: float | None = None) -> None:
         line = json.dumps(event, default=str) + "\n"
+        if timeout_s is None:
+            self._append(line)
+            return
+        if self._stuck is not None and self._stuck.is_alive():
+            self.errors += 1
+            return
+        writer = threading.Thread(target=self._append, args=(line,), name="stragglerwatch-event-write", daemon=True)
+        writer.start()
+        writer.join(timeout_s)
+        if writer.is_alive():
+            self._stuck = writer
+            self.errors += 1
+
+    def _append(self, line: str) -> None:
         with self._lock:
             try:
                 with open(self.path, "a", encoding="utf-8") as f:
@@ -293,18 +316,19 @@ class Watchdog:
         return max(self.floor_s, self.multiple * statistics.median(recent))
 
     def record(self, kind: str, **fields: Any) -> None:
-        """Write an event of this rank (e.g. ``closed``); never raises."""
+        """Write an event of this rank (e.g. ``closed``, from the training thread: bounded); never raises."""
         try:
-            self._event(kind, **fields)
+            self._event(kind, timeout_s=BOUNDED_WRITE_S, **fields)
         except Exception:
             self.errors += 1
 
-    def _event(self, kind: str, where: tuple[int, str, float] | None = None, **fields: Any) -> dict[str, Any]:
+    def _event(self, kind: str, where: tuple[int, str, float] | None = None, timeout_s: float | None = None,
+               **fields: Any) -> dict[str, Any]:  # fmt: skip
         step, phase, since = where or self.probe.where
         ev = {"kind": kind, "rank": self.rank, "step": step, "phase": phase, "since": self._wall + since,
               "detected_at": time.time(), **self.ids}  # fmt: skip
         ev.update(fields)
-        self.events.write(ev)
+        self.events.write(ev, timeout_s=timeout_s)
         return ev
 
     def _run(self) -> None:
@@ -420,7 +444,8 @@ class Watchdog:
             return
         self._terminated.set()
         try:
-            self._event("sigterm" if reason == "SIGTERM" else "exception", reason=reason)
+            self._event("sigterm" if reason == "SIGTERM" else "exception", reason=reason,
+                        timeout_s=None if from_thread else BOUNDED_WRITE_S)
             self._flush()
         except Exception:
             self.errors += 1
