@@ -60,6 +60,7 @@ import functools
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -99,6 +100,11 @@ def _guarded(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _NESTED = object()  # token of a collective inside another timed one (counted once, by the outer)
+#: Training forwards in one step before the step is closed anyway: a loop whose optimizer steps we never
+#: see (a hand-written update, an unusual framework) would otherwise grow one step without end.
+MAX_MICRO_BATCHES = 1000
+#: Marks of one kind in one step (collectives, loader waits, optimizer calls) kept; more are counted.
+MAX_MARKS = 10_000
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _SCALARS = (str, bytes, int, float, bool, type(None))
 
@@ -152,6 +158,7 @@ class StepProbe:
         syncing: Callable[[], bool] | None = None,
         *,
         ender: int | None = None,
+        params: set[int] | None = None,
         expect_comm: bool = False,
         on_unavailable: Callable[[str], None] | None = None,
         problems: Problems | None = None,
@@ -174,6 +181,11 @@ class StepProbe:
         self._fwd_seen = False
         self._comm_depth = 0
         self._ender = ender  # id of the optimizer whose step ends a training step (None: learn it)
+        self._params = params  # ids of the watched model's parameters: whose optimizers are ours (None: all)
+        self._owners: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        self._owner_seen = False  # an optimizer holding the model's parameters has stepped
+        self._manual = False  # steps are ended by hand (``Watch.step``), not by an optimizer
+        self.dropped_marks = 0  # marks past MAX_MARKS in a step
         self._stepped: set[int] = set()  # optimizers stepped in the current step
         self._cut: tuple[tuple[int, ...], Any, float, int] | None = None  # last optimizer end, ender unknown
         self._opt_depth = 0
@@ -281,7 +293,10 @@ class StepProbe:
         m, t0 = token
         t1 = self._now()
         self.where = (self._next_step, "other", t1)
-        m.data.append((t0, t1))
+        if len(m.data) < MAX_MARKS:
+            m.data.append((t0, t1))
+        else:
+            self.dropped_marks += 1
 
     # -- forward ----------------------------------------------------------
     @_guarded
@@ -304,6 +319,8 @@ class StepProbe:
         if not self._host:
             self._stream = torch.cuda.current_stream()
         m = self._cur or self._begin(now)
+        if len(m.fwd_start) >= MAX_MICRO_BATCHES:
+            m = self._close_unended(now)
         self._eval_open = self._eval_fwd = False
         if self._fwd_open:  # the previous forward raised: drop its dangling start
             m.fwd_start.pop()
@@ -401,8 +418,10 @@ class StepProbe:
         start, phase = token
         now = self._now()
         m = self._cur
-        if m is not None:
+        if m is not None and len(m.comm) < MAX_MARKS:
             m.comm.append((start, self._at(now, phase)))
+        elif m is not None:
+            self.dropped_marks += 1
         self.where = (self._next_step, phase, now)
 
     def comm_hook(self, inner: Callable[[Any, Any], torch.futures.Future] | None, state: Any) -> Callable:
@@ -453,8 +472,65 @@ class StepProbe:
         return idx, m.done
 
     # -- optimizer and step end -------------------------------------------
+    def _ours(self, optimizer: Any) -> bool:
+        """Whether ``optimizer``'s steps are the watched model's: it was named (``attach(optimizer=)``),
+        it holds one of the model's parameters, or none that does has stepped yet (an optimizer of
+        master copies of the weights). Another model's optimizer in the same process is not."""
+        if self._params is None:
+            return True
+        try:
+            known = self._owners.get(optimizer)
+        except TypeError:  # not weak-referenceable: looked at every time
+            known = None
+        if known is None:
+            groups = getattr(optimizer, "param_groups", None) or []
+            known = id(optimizer) == self._ender or any(id(p) in self._params for g in groups
+                                                        for p in g.get("params", ()))  # fmt: skip
+            try:
+                self._owners[optimizer] = known
+            except TypeError:
+                pass
+        if known:
+            self._owner_seen = True
+        return known or not self._owner_seen
+
+    def _close_unended(self, host: float) -> StepMarks:
+        """A step that no optimizer step ended in MAX_MICRO_BATCHES forwards: closed here, and said."""
+        self.note_unavailable(
+            "no_optimizer_step",
+            f"no optimizer step ended a step in {MAX_MICRO_BATCHES} training forwards (a hand-written update?): "
+            "steps cannot be told apart; mark each step's end with watch.step()",
+        )
+        return self._end_step(host)
+
+    def _end_step(self, host: float) -> StepMarks:
+        """End the current step now; returns the next one, begun here."""
+        m = self._cur or self._begin(host)
+        end = self._at(host, self._gap_phase())
+        m.end = end
+        self._cur = StepMarks(m.step + 1, end, host, self._data_from_gap)
+        self.where = (m.step + 1, self._gap_phase(), host)
+        self._emit(m, host)
+        return self._cur
+
+    @_guarded
+    def mark_step(self) -> None:
+        """The loop ends a step here (``Watch.step``): from now on this, not an optimizer, ends steps."""
+        self._manual = True
+        if self._paused:
+            self._paused_step_end()
+            return
+        if not self.enabled or self._cur is None:
+            return  # before the first step: from now on, these calls alone end steps
+        host = self._now()
+        self._end_step(host)
+        if not self.recording:
+            self._pause(host)
+
     @_guarded
     def on_optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._ours(optimizer):
+            return
         if not self.enabled:
             if self._paused:
                 self._opt_calls += 1  # GradScaler's skip check (scaler_end) counts calls while paused too
@@ -463,18 +539,23 @@ class StepProbe:
         if self._opt_depth > 1:  # stepped by another optimizer's step (a wrapper): counted once
             return
         self._opt_calls += 1
-        if self._ender is None and self._cut is not None and id(optimizer) in self._stepped:
+        if not self._manual and self._ender is None and self._cut is not None and id(optimizer) in self._stepped:
             self._end_at_cut()  # an optimizer steps again: the iteration ended at the last one
         now = self._now()
         m = self._cur or self._begin(now)
         self._eval_open = False
         self.where = (self._next_step, "optimizer", now)
+        if len(m.opt) >= MAX_MARKS:
+            del m.opt[: MAX_MARKS // 2]  # keep the latest (the open one among them)
+            self.dropped_marks += MAX_MARKS // 2
         m.opt.append([self._at(now, "optimizer"), None])
 
     @_guarded
     def on_optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._ours(optimizer):
+            return
         if not self.enabled or self._opt_depth == 0:
-            if self._paused and id(optimizer) == self._ender:
+            if self._paused and id(optimizer) == self._ender and not self._manual:
                 self._paused_step_end()
             return
         self._opt_depth -= 1
@@ -487,6 +568,8 @@ class StepProbe:
         oid = id(optimizer)
         self._stepped.add(oid)
         self.where = (self._next_step, "other", host)
+        if self._manual:
+            return  # Watch.step() ends the steps
         if self._ender == oid:
             m.end = end
             self._cur = StepMarks(m.step + 1, end, host, self._data_from_gap)

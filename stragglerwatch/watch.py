@@ -49,7 +49,7 @@ from .sampler import ContextSampler
 from .shadows import time_as_forward, time_buffer_sync, time_fetch, time_forward, time_fsdp_waits
 from .taps import tap_collectives, tap_scaler
 from .timing import resolve_cuda
-from .watchdog import EventFile, NativeStacks, ShutdownHooks, Watchdog
+from .watchdog import BOUNDED_WRITE_S, EventFile, NativeStacks, ShutdownHooks, Watchdog
 
 CommHook = tuple[Any, Callable[[Any, Any], torch.futures.Future]]
 
@@ -152,6 +152,14 @@ class Watch:
         figures["busy_ratio"] = last.busy_s / last.step_s if last.step_s > 0 else float("nan")
         return figures
 
+    def step(self) -> None:
+        """End the current step here, for a loop whose steps no ``torch.optim`` optimizer ends (a
+        hand-written update, an unusual framework). From the first call on, only these calls end
+        steps (call it once before the loop to have it so from the first step); optimizer steps are
+        still timed as optimizer. Cheap (a few clock reads)."""
+        if self._probe is not None and not self._closed:
+            self._probe.mark_step()
+
     def time_data(self, obj: Any, begin: str, end: str | None = None) -> None:
         """For integrations: time as data wait what happens between calls of ``obj.<begin>()``
         and ``obj.<end>()`` (a framework's fetch callbacks), or inside ``obj.<begin>()`` (its
@@ -175,10 +183,13 @@ class Watch:
         if records:
             self._last = records[-1]
 
-    def flush(self) -> None:
-        """Write every finished step now (the log thread also does so every flush interval)."""
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Have the log thread write every finished step now (it also does so every flush interval);
+        waits at most ``timeout_s``, and not again while a write that made it give up has not
+        returned. True when the steps were written."""
         if self._writer is not None and not self._closed:
-            self._writer.flush()
+            return self._writer.request_flush(timeout_s)
+        return False
 
     def close(self) -> None:
         """Remove the hooks, write the remaining steps and finish the log. Idempotent; never raises."""
@@ -217,7 +228,8 @@ class Watch:
             return
         self._events.write({"kind": "unresolved", "rank": self.info.rank, "step": steps[0], "phase": "close",
                             "steps": steps[:1000], "count": len(steps), "detected_at": time.time(),
-                            "reason": "their CUDA events had not completed within close_timeout_s"})  # fmt: skip
+                            "reason": "their CUDA events had not completed within close_timeout_s"},
+                           timeout_s=BOUNDED_WRITE_S)  # fmt: skip
         self.problems.report("close", f"close: {len(steps)} step(s) from step {steps[0]} not recorded: the GPU "
                              "had not finished them within close_timeout_s (stuck behind a collective?)")  # fmt: skip
 
@@ -335,7 +347,7 @@ def attach(
         _check_comm_hook_free(parts.ddp)
     if cfg.timing == "cuda" and not torch.cuda.is_available():
         raise AttachError("stragglerwatch: timing='cuda', but this process has no CUDA device (use 'auto' or 'host')")
-    info = discover(cfg.run_dir, cfg.run_id)
+    info = discover(cfg.run_dir, cfg.run_id, scope=type(parts.target or model).__qualname__)
     watch = Watch(info, problems, wall_anchor=time.time() - time.perf_counter())
     try:
         _assemble(watch, parts, cfg)
@@ -400,6 +412,7 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
         watch._marks.mark if watch._marks is not None else None,
         (lambda: ddp.require_backward_grad_sync) if is_ddp else None,
         ender=id(cfg.optimizer) if cfg.optimizer is not None else None,
+        params={id(p) for p in model.parameters()},
         expect_comm=info.world_size > 1 and not is_ddp and unseen is None,
         on_unavailable=lambda reason: problems.report("unavailable", f"busy time unavailable: {reason}"),
         problems=problems,
@@ -413,7 +426,7 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
             probe, watch._events, info.rank, info.world_size,
             PeerBoard(info.run_id, info.rank, info.world_size) if info.world_size > 1 else None,
             timeout_s=cfg.watchdog_timeout_s, wall_anchor=watch._wall_anchor,
-            flush=lambda: writer.flush(lock_timeout_s=1.0), native=native,
+            flush=lambda: writer.request_flush(1.0), native=native,
             ids={"restart": info.restart, "attach": info.attach}, problems=problems,
             fr_path=info.run_dir / f"flightrec-{info.rank:05d}.pkl",
             device=_device_reader(probe, gate) if gate is not None else None,
