@@ -5,11 +5,19 @@ by then), times the framework's batch fetch as data wait where it has a place fo
 closes at the end of training. The figures it may log to the framework's loggers come from the
 same places as everywhere else: the rank's own latest steps (:meth:`Watch.latest`) and, at the
 end, :func:`~stragglerwatch.analysis.analyze_run` on the run dir (pure detection).
+
+The end-of-fit verdict costs the job nothing (:class:`LateVerdict`): no barrier, no collective;
+rank 0 computes it on a thread of its own once every rank's log is complete, while the job goes
+on to whatever follows the fit.
 """
 
 from __future__ import annotations
 
+import atexit
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,3 +61,57 @@ def verdict_metrics(run_dir: Path | None, problems: Problems) -> dict[str, float
         out["stragglerwatch/straggler_rank"] = float(worst["rank"])
         out["stragglerwatch/straggler_lost_seconds"] = float(worst["lost_seconds"] or 0.0)
     return out
+
+
+#: The most the end-of-fit verdict waits for every rank's log to be complete.
+LOGS_WAIT_S = 60.0
+#: The most the interpreter's exit waits for a verdict still being computed.
+EXIT_WAIT_S = 30.0
+
+
+def logs_complete(run_dir: Path, world_size: int) -> bool:
+    """Every rank has closed its step log (compacted to Parquet, no stream left)."""
+    for rank in range(world_size):
+        stem = f"rank-{rank:05d}"
+        if any(run_dir.glob(f"{stem}*.arrows")) or not any(run_dir.glob(f"{stem}*.parquet")):
+            return False
+    return True
+
+
+class LateVerdict:
+    """The job's verdict for a framework's loggers, computed off the critical path.
+
+    ``start`` (rank 0, at the end of fit, after its own ``close()``) runs a daemon thread that waits
+    until every rank's log is complete (at most ``LOGS_WAIT_S``; then it analyses what is there),
+    analyses the run and hands the metrics to ``log``. Nothing of the job waits for it; ``join``
+    waits at most ``timeout_s`` for it (and the interpreter's exit at most ``EXIT_WAIT_S``, so a
+    script that ends right after fit still gets its verdict logged)."""
+
+    def __init__(self, run_dir: Path | None, world_size: int, problems: Any, log: Callable[[dict[str, float]], None]):
+        self.run_dir, self.world_size, self.problems, self.log = run_dir, world_size, problems, log
+        self.metrics: dict[str, float] | None = None
+        self._thread = threading.Thread(target=self._run, name="stragglerwatch-verdict", daemon=True)
+
+    def start(self) -> LateVerdict:
+        self._thread.start()
+        atexit.register(self.join, EXIT_WAIT_S)
+        return self
+
+    def _run(self) -> None:
+        if self.run_dir is None:
+            return
+        deadline = time.monotonic() + LOGS_WAIT_S
+        while not logs_complete(self.run_dir, self.world_size) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.metrics = verdict_metrics(self.run_dir, self.problems)
+        if self.metrics:
+            try:
+                self.log(self.metrics)
+            except Exception as exc:
+                self.problems.report("verdict", f"cannot log the verdict to the trainer ({type(exc).__name__}: {exc})")
+
+    def join(self, timeout_s: float = EXIT_WAIT_S) -> bool:
+        """Wait at most ``timeout_s`` for the verdict; True once it has been logged (or found empty)."""
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        return self._thread.ident is not None and not self._thread.is_alive()

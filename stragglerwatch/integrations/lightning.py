@@ -16,7 +16,9 @@ signal is reported unavailable there rather than wrong.
 
 With ``log_to_trainer=True`` the rank's busy ratio is logged with ``pl_module.log`` every
 ``log_every_n_steps``, and at the end of fit rank 0 logs the job's verdict (stragglers, the worst
-one's rank and time lost) to every logger of the Trainer, read from the run dir after a barrier.
+one's rank and time lost) to every logger of the Trainer, read from the run dir on a thread of its
+own once every rank's log is complete (no barrier: the job does not wait for it;
+``callback.verdict.join(timeout_s)`` does, and so does the interpreter's exit, at most 30 s).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 from ..config import Config
 from ..watch import Watch, attach
-from ._common import verdict_metrics
+from ._common import LateVerdict
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -63,6 +65,7 @@ class StragglerWatch(Callback):
         self.log_to_trainer = log_to_trainer
         self.attach_options = attach_options
         self.watch: Watch | None = None
+        self.verdict: LateVerdict | None = None  # rank 0's end-of-fit verdict, computed on a thread of its own
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.watch is not None and self.watch.enabled:
@@ -95,12 +98,17 @@ class StragglerWatch(Callback):
         watch.close()
         if not self.log_to_trainer:
             return
-        trainer.strategy.barrier("stragglerwatch")  # every rank's log is complete (end of fit, not the hot path)
         if trainer.global_rank != 0:
             return
-        metrics = verdict_metrics(Path(run_dir) if run_dir else None, watch.problems)
-        for logger in trainer.loggers if metrics else []:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        loggers, step = list(trainer.loggers), trainer.global_step
+
+        def log(metrics: dict[str, float]) -> None:
+            for logger in loggers:
+                logger.log_metrics(metrics, step=step)
+                logger.save()  # after fit: the trainer may have saved its last time already
+
+        world = watch.info.world_size if watch.info else 1
+        self.verdict = LateVerdict(Path(run_dir) if run_dir else None, world, watch.problems, log).start()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.watch is not None:

@@ -14,7 +14,9 @@ evaluation time, not work.
 With ``log_to_trainer=True`` the rank's busy ratio goes into the Trainer's logs
 (``stragglerwatch/busy_ratio``, every ``logging_steps``, through ``trainer.log`` so that every
 reporting integration gets it), and the job's verdict is logged by the main process at the end
-of training (after a barrier, from the run dir).
+of training, from the run dir, on a thread of its own once every rank's log is complete (no
+barrier: the job does not wait for it; ``callback.verdict.join(timeout_s)`` does, and so does the
+interpreter's exit, at most 30 s).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 from ..config import Config
 from ..watch import Watch, attach
-from ._common import find_caller_self, verdict_metrics
+from ._common import LateVerdict, find_caller_self
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -53,6 +55,7 @@ class StragglerWatchCallback(TrainerCallback):
         self.log_to_trainer = log_to_trainer
         self.attach_options = attach_options
         self.watch: Watch | None = None
+        self.verdict: LateVerdict | None = None  # rank 0's end-of-fit verdict, computed on a thread of its own
         self.trainer: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
@@ -82,9 +85,7 @@ class StragglerWatchCallback(TrainerCallback):
         trainer, self.trainer = self.trainer, None
         if not self.log_to_trainer or trainer is None:
             return
-        trainer.accelerator.wait_for_everyone()  # every rank's log is complete (end of training)
         if not state.is_world_process_zero:
             return
-        metrics = verdict_metrics(Path(run_dir) if run_dir else None, watch.problems)
-        if metrics:
-            trainer.log(metrics)
+        world = watch.info.world_size if watch.info else 1
+        self.verdict = LateVerdict(Path(run_dir) if run_dir else None, world, watch.problems, trainer.log).start()

@@ -167,6 +167,7 @@ def run_hf(args: argparse.Namespace, injection: Injection) -> None:
             loss = nn.functional.mse_loss(out, labels) if labels is not None else None
             return {"loss": loss, "logits": out}
 
+    callback = StragglerWatchCallback(args.run_dir, log_to_trainer=bool(args.trainer_logs), watchdog_timeout_s=0)
     targs = TrainingArguments(
         output_dir=str(Path(args.run_dir).parent / "hf-out"), per_device_train_batch_size=args.batch,
         per_device_eval_batch_size=args.batch, max_steps=args.steps, gradient_accumulation_steps=args.accumulate,
@@ -176,10 +177,11 @@ def run_hf(args: argparse.Namespace, injection: Injection) -> None:
     trainer = Trainer(
         model=Model(), args=targs, train_dataset=Points(batches_needed(args) * 2), eval_dataset=Points(16, seed=1),
         data_collator=Collate(injection),
-        callbacks=[StragglerWatchCallback(args.run_dir, log_to_trainer=bool(args.trainer_logs), watchdog_timeout_s=0)],
+        callbacks=[callback],
     )  # fmt: skip
     trainer.train()
     if args.trainer_logs and trainer.is_world_process_zero():
+        assert callback.verdict is not None and callback.verdict.join(60), "the verdict, off the critical path"
         Path(args.trainer_logs).mkdir(parents=True, exist_ok=True)
         (Path(args.trainer_logs) / "log_history.json").write_text(json.dumps(trainer.state.log_history))
 
