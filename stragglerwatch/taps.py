@@ -16,8 +16,8 @@ Design: three calls see what the model's own hooks cannot.
 - **Where it is waited on**: ``Work.wait``. Gloo's synchronous collectives
   (and those of NCCL before torch 2.8) and every ``async_op=True`` handle are
   waited on here; on CUDA it is where the current stream starts waiting for
-  the collective's stream. An asynchronous launch costs the issue bracket a
-  few microseconds; the wait is the exposed part.
+  the collective's stream. An asynchronous launch (``opts.asyncOp``) exposes
+  nothing and is not bracketed; its wait is the exposed part.
 - ``GradScaler.step``: a step GradScaler skips (inf/NaN gradients) never calls
   ``optimizer.step()``, so the optimizer hooks cannot see that an iteration ended.
 
@@ -84,6 +84,24 @@ def _bracket_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Call
                         pass
 
     return bracketed
+
+
+def _asynchronous(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """The process-group call was asked for an ``async_op=True`` collective (torch >= 2.8 passes
+    ``opts.asyncOp``): its launch exposes nothing; its wait is bracketed at ``Work.wait``."""
+    opts = kwargs.get("opts", args[-1] if args else None)
+    return getattr(opts, "asyncOp", False) is True
+
+
+def _issue_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
+    bracketed = _bracket_wrapper(original, listeners)
+
+    def issue(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not listeners or _asynchronous(args, kwargs):
+            return original(self, *args, **kwargs)
+        return bracketed(self, *args, **kwargs)
+
+    return issue
 
 
 def _scaler_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
@@ -184,7 +202,7 @@ def tap_collectives(listener: CommListener) -> TapSet | None:
     if work is None or group is None:
         return None
     taps = [Tap(work, "wait", _bracket_wrapper, listener)]
-    taps += [Tap(group, name, _bracket_wrapper, listener) for name in ISSUE_METHODS
+    taps += [Tap(group, name, _issue_wrapper, listener) for name in ISSUE_METHODS
              if callable(getattr(group, name, None))]  # fmt: skip
     return TapSet(taps)
 

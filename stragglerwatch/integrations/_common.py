@@ -94,7 +94,15 @@ class LateVerdict:
 
     def start(self) -> LateVerdict:
         self._thread.start()
-        atexit.register(self.join, EXIT_WAIT_S)
+        # at exit, waited for before concurrent.futures refuses new work (the analysis uses a thread
+        # pool): threading's own exit hooks run first, the latest registered first
+        register = getattr(threading, "_register_atexit", None)
+        try:
+            if register is None:
+                raise AttributeError
+            register(self.join, EXIT_WAIT_S)
+        except Exception:
+            atexit.register(self.join, EXIT_WAIT_S)
         return self
 
     def _run(self) -> None:
