@@ -1106,16 +1106,9 @@ def c_phase_accuracy(jobs: Jobs) -> Verdict:
 
 
 def read_events(run_dir: str) -> list[dict[str, Any]]:
-    events = []
-    for path in sorted(Path(run_dir).glob("events-*.jsonl")):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(ev, dict):
-                events.append(ev)
-    return events
+    from stragglerwatch.watchdog import read_events as read
+
+    return read(Path(run_dir))[0]
 
 
 def c_straggler_and_stall(jobs: Jobs) -> Verdict:
