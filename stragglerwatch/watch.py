@@ -124,6 +124,7 @@ class Watch:
             "capture_dropped_steps": w.capture_dropped_steps if w else 0,
             "stale_dropped_steps": w.stale_dropped_steps if w else 0,
             "unresolved_steps": len(w.unresolved) if w else 0,
+            "dropped_marks": p.dropped_marks if p is not None else 0,
             "write_errors": (w.write_errors if w else 0) + (wd.events.errors if wd else 0),
             "exporter_errors": self._exporter.errors if self._exporter else 0,
             "metrics_port": self._exporter.port if self._exporter and self._exporter.server else None,
