@@ -1,6 +1,12 @@
 """Taps on the few points PyTorch offers no per-object hook for.
 
-Design: three calls see what the model's own hooks cannot.
+Design: four calls see what the model's own hooks cannot.
+
+- **Where a collective is called**: the ``torch.distributed`` functions themselves
+  (:data:`CALL_FUNCTIONS`, as module attributes, which user code, SyncBatchNorm and most
+  wrappers look up at call time), so that whatever lies beneath them holds the thread or the
+  stream inside the bracket: NCCL's C++, or a process group that another tool wrapped after us.
+  Skipped for ``async_op=True`` (the launch exposes nothing) and while torch.compile traces.
 
 - **Where a collective is issued**: the methods of ``ProcessGroup`` that the
   ``torch.distributed`` functions call (``allreduce``, ``broadcast``,
@@ -21,11 +27,12 @@ Design: three calls see what the model's own hooks cannot.
 - ``GradScaler.step``: a step GradScaler skips (inf/NaN gradients) never calls
   ``optimizer.step()``, so the optimizer hooks cannot see that an iteration ended.
 
-Both collective brackets call the same listener (``comm_begin``/``comm_end``);
-the probe carves their union out of the step, so a collective bracketed twice
-is counted once. DDP's own collectives are issued and waited for in C++ and
-are timed elsewhere (``probes.py``); so are the functional collectives of
-DTensor and compiled code (C++ ops, seen by neither bracket).
+Every collective bracket calls the same listener (``comm_begin``/``comm_end``);
+brackets nest (the probe counts the outermost) and the probe carves their
+union out of the step, so a collective bracketed twice is counted once.
+DDP's own collectives are issued and waited for in C++ and are timed
+elsewhere (``probes.py``); the functional collectives of DTensor and
+compiled code (C++ ops) are seen by none of these brackets.
 
 A tap is a wrapper set on the class while at least one listener (a probe) is
 registered, and removed with the last one. Its listeners live on the wrapper
@@ -63,10 +70,21 @@ ISSUE_METHODS = (
 )  # fmt: skip
 
 
+#: ``torch.distributed`` functions bracketed as a whole where the loop calls them (module attributes:
+#: looked up at call time by user code, SyncBatchNorm and most wrappers), so that whatever lies beneath
+#: (NCCL's C++, a process group another tool wrapped after us) holds the thread or the stream inside it.
+CALL_FUNCTIONS = (
+    "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+    "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+    "barrier", "monitored_barrier", "gather", "scatter", "all_gather_object", "broadcast_object_list",
+    "gather_object", "scatter_object_list", "send", "recv", "send_object_list", "recv_object_list",
+)  # fmt: skip
+
+
 def _bracket_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
-    def bracketed(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def bracketed(*args: Any, **kwargs: Any) -> Any:  # a method's self is args[0]
         if not listeners:
-            return original(self, *args, **kwargs)
+            return original(*args, **kwargs)
         tokens = []
         for listener in listeners:
             try:
@@ -74,7 +92,7 @@ def _bracket_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Call
             except Exception:
                 tokens.append(None)
         try:
-            return original(self, *args, **kwargs)
+            return original(*args, **kwargs)
         finally:
             for listener, token in zip(listeners, tokens, strict=False):
                 if token is not None:
@@ -102,6 +120,24 @@ def _issue_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callab
         return bracketed(self, *args, **kwargs)
 
     return issue
+
+
+def _call_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
+    bracketed = _bracket_wrapper(original, listeners)
+    try:
+        from torch.compiler import is_compiling  # torch >= 2.3
+    except ImportError:  # pragma: no cover
+
+        def is_compiling() -> bool:
+            return False
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        # traced by torch.compile: the original alone (Dynamo maps it to its functional collective)
+        if not listeners or kwargs.get("async_op") is True or is_compiling():
+            return original(*args, **kwargs)
+        return bracketed(*args, **kwargs)
+
+    return call
 
 
 def _scaler_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
@@ -197,13 +233,18 @@ class TapSet:
 
 
 def tap_collectives(listener: CommListener) -> TapSet | None:
-    """Bracket every collective where it is issued and where it is waited on (module docstring)."""
+    """Bracket every collective where it is called, issued and waited on (module docstring)."""
     work, group = work_class(), process_group_class()
     if work is None or group is None:
         return None
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
     taps = [Tap(work, "wait", _bracket_wrapper, listener)]
     taps += [Tap(group, name, _issue_wrapper, listener) for name in ISSUE_METHODS
              if callable(getattr(group, name, None))]  # fmt: skip
+    taps += [Tap(module, name, _call_wrapper, listener) for module in (dist, distributed_c10d)
+             for name in CALL_FUNCTIONS if callable(module.__dict__.get(name))]  # fmt: skip
     return TapSet(taps)
 
 

@@ -132,19 +132,21 @@ def test_synchronous_collectives_without_work_as_on_nccl(tmp_path: Path, capsys:
     a data straggler) on plain gloo and on gloo made to behave so: the same verdict, the same waits."""
     flags = ("--sync-stats", "--log-loss", "--slow-rank", "1", "--cause", "data", "--steps", "40")
     plain_run, plain = run_loop(tmp_path / "plain", 3, *flags)
-    like_run, like = run_loop(tmp_path / "nccl-like", 3, *flags, "--nccl-like")
-    for rank in range(3):
-        counts = json.loads((like_run / f"nccl-like-{rank}.json").read_text())
-        assert counts["finished"] >= 3 * 40, f"rank {rank}: the collectives finished in the call, no Work: {counts}"
     only_straggler(report(plain_run, capsys), 1, "data")
-    only_straggler(report(like_run, capsys), 1, "data")
-    a, b = medians(plain), medians(like)
-    for med in (a, b):
-        assert (med.drop(index=1)["collective_wait_s"] > 12 * MS).all(), "the peers wait for rank 1's data"
-    diff = (a["collective_wait_s"] - b["collective_wait_s"]).abs()
-    assert (diff < 4 * MS).all(), f"collective_wait_s (ms), plain:\n{a['collective_wait_s'] * 1e3}\nNCCL-like:\n" \
-                                  f"{b['collective_wait_s'] * 1e3}"
-    assert b["forward_s"].max() < 8 * MS, "the peers' wait in forward's all-reduce is communication, not forward"
+    a = medians(plain)
+    assert (a.drop(index=1)["collective_wait_s"] > 12 * MS).all(), "the peers wait for rank 1's data"
+    # beneath our taps, as NCCL's C++ is; and above them, as a tool wrapping the process group after us
+    for flag in ("--nccl-like", "--nccl-like-after"):
+        like_run, like = run_loop(tmp_path / flag.strip("-"), 3, *flags, flag)
+        for rank in range(3):
+            counts = json.loads((like_run / f"nccl-like-{rank}.json").read_text())
+            assert counts["finished"] >= 3 * 40, f"{flag} rank {rank}: finished in the call, no Work: {counts}"
+        only_straggler(report(like_run, capsys), 1, "data")
+        b = medians(like)
+        diff = (a["collective_wait_s"] - b["collective_wait_s"]).abs()
+        assert (diff < 4 * MS).all(), f"collective_wait_s (ms), plain:\n{a['collective_wait_s'] * 1e3}\n{flag}:\n" \
+                                      f"{b['collective_wait_s'] * 1e3}"
+        assert b["forward_s"].max() < 8 * MS, "the peers' wait in forward's all-reduce is communication, not forward"
 
 
 def test_cuda_event_timing_across_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

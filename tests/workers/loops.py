@@ -8,7 +8,8 @@ holding a dict holding a list), ``--two-optimizers``, ``--closure``
 (``optimizer.step(closure)``), ``--log-loss`` (the loop all-reduces its loss every step),
 ``--eval-every N`` (an evaluation pass under ``no_grad``, on rank 0 only with
 ``--eval-rank0``, then a barrier), ``--nccl-like`` (gloo's synchronous collectives finish in
-the process-group call and return no ``Work``, as NCCL's do since torch 2.8), ``--fake-cuda``
+the process-group call and return no ``Work``, as NCCL's do since torch 2.8; ``--nccl-like-after``:
+installed after attach, above our taps), ``--fake-cuda``
 (CUDA-event timing on the fake CUDA layer of ``tests/fake_cuda.py``),
 ``--scaler-skip-at N`` (GradScaler, with an inf loss at step N that makes it skip the
 optimizer step). Injections: a slow rank (compute, data,
@@ -91,7 +92,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--batch", type=int, default=32)
     for flag in ("--bn", "--sync-stats", "--nested", "--two-optimizers", "--closure", "--log-loss", "--eval-rank0",
-                 "--nccl-like", "--fake-cuda"):
+                 "--nccl-like", "--nccl-like-after", "--fake-cuda"):
         p.add_argument(flag, action="store_true")
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--eval-batches", type=int, default=20)
@@ -130,6 +131,8 @@ def main() -> None:
         install_fake_cuda()
         timing = "cuda"
     watch = stragglerwatch.attach(model, args.run_dir, watchdog_timeout_s=args.watchdog_timeout, timing=timing)
+    if args.nccl_like_after:
+        emulation = emulate(above_taps=True)
     optimizers[-1].register_step_pre_hook(lambda *_: time.sleep(slow("optimizer")))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if args.scaler_skip_at >= 0 else None
     loss_fn = nn.CrossEntropyLoss()

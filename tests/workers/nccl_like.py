@@ -50,12 +50,16 @@ def _wrap(original: Callable[..., Any], wait: Callable[..., Any], seen: Emulatio
     return method
 
 
-def emulate() -> Emulation:
-    """Install the emulation for the rest of the process; returns its counters."""
+def emulate(above_taps: bool = False) -> Emulation:
+    """Install the emulation for the rest of the process; returns its counters. ``above_taps``: installed
+    after ``attach`` (the worst case for us: it waits through the untapped ``Work.wait``, above our
+    process-group taps), as another tool wrapping the process group after us might."""
     group, work = dist.ProcessGroup, dist.Work
     wait = work.__dict__["wait"]
-    if getattr(wait, "__wrapped__", None) is not None:
+    if getattr(wait, "__wrapped__", None) is not None and not above_taps:
         raise RuntimeError("install the NCCL emulation before anything taps Work.wait")
+    while getattr(wait, "__wrapped__", None) is not None:
+        wait = wait.__wrapped__
     seen = Emulation()
     for name in METHODS:
         original = group.__dict__.get(name)
