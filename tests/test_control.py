@@ -95,8 +95,14 @@ def test_watchdog_threshold_changes_at_run_time(tmp_path: Path, caplog: pytest.L
         "stragglerwatch: rank 0: watchdog_timeout_s auto -> 0.5 s (runtime control, test)"
     ]
     time.sleep(1.2)  # a pause between steps, longer than the new threshold and far below the old one
-    train(model, opt, 1)
-    wait_for(lambda: (controls.state()["stall"]["latest"] or {}).get("recovered"), 5, "the recovery")
+
+    def stepped_and_recovered() -> bool:
+        # keep stepping until the watchdog has seen the recovery: an idle wait here as long as the 0.5 s
+        # threshold would be a second, real stall (it was, under load in CI)
+        train(model, opt, 1)
+        return bool((controls.state()["stall"]["latest"] or {}).get("recovered"))
+
+    wait_for(stepped_and_recovered, 5, "the recovery")
     state = controls.state()
     assert state["stall"]["latest"]["threshold_s"] == 0.5 and not state["stall"]["stalled"]
     assert state["controls"] == {"changes": 1, "rejected": 0, "control_file": True, "debug_server": None}
