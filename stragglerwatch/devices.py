@@ -119,14 +119,13 @@ def graph_class() -> type | None:
 class CaptureGate:
     """Knows whether a CUDA graph capture is open in this process; see the module docstring.
 
-    ``quiet()`` is what our threads hold while they query events; ``captures`` counts the
-    captures seen, ``waited_out`` the ``capture_begin`` calls that found a query pass longer
-    than ``BEGIN_WAIT_S`` (they capture anyway)."""
+    ``quiet()`` is what our threads hold while they query events; ``waited_out`` counts the
+    ``capture_begin`` calls that found a query pass longer than ``BEGIN_WAIT_S`` (they capture
+    anyway; ``stats()["capture_gate_timeouts"]``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.open = 0
-        self.captures = 0
         self.waited_out = 0
         self._taps: list[Tap] = []
 
@@ -146,7 +145,6 @@ class CaptureGate:
         got = self._lock.acquire(timeout=BEGIN_WAIT_S)
         try:
             self.open += 1
-            self.captures += 1
         finally:
             if got:
                 self._lock.release()

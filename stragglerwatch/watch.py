@@ -84,6 +84,7 @@ class Watch:
         self._notes: UnavailableNotes | None = None
         self._controls: Controls | None = None
         self._marks: CudaMarks | None = None  # CUDA timing: the probe's clock
+        self._gate: CaptureGate | None = None  # CUDA timing: no event query of ours during a graph capture
         self._events: EventFile | None = None  # this rank's events (the watchdog's, or close's own)
         self._handles: list[Any] = []
         self._last: Any = None  # the latest step record written
@@ -121,6 +122,7 @@ class Watch:
             "steps_written": w.steps_written if w else 0,
             "dropped_steps": w.dropped_steps if w else 0,
             "capture_dropped_marks": self._marks.dropped if self._marks else 0,
+            "capture_gate_timeouts": self._gate.waited_out if self._gate else 0,
             "capture_dropped_steps": w.capture_dropped_steps if w else 0,
             "stale_dropped_steps": w.stale_dropped_steps if w else 0,
             "unresolved_steps": len(w.unresolved) if w else 0,
@@ -398,7 +400,7 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
         path = log_path(info.run_dir, info.rank)
     except OSError as exc:
         raise RuntimeError(f"cannot write run dir {info.run_dir} ({exc})") from None
-    gate = CaptureGate().install() if on_gpu else None
+    gate = watch._gate = CaptureGate().install() if on_gpu else None
     if gate is not None:
         watch._handles.append(gate)
         watch._marks = CudaMarks(gate)
