@@ -24,6 +24,8 @@ import numpy as np
 import pandas as pd
 
 from . import runmatrix
+from .codelog import load_code
+from .codeprofile import locate
 from .context import load_context
 from .detect import MATRIX_COLUMNS, DetectConfig, StepMatrix, Verdict, detect, matrix_from_columns
 from .eventlog import run_files, world_size
@@ -32,6 +34,7 @@ from .hangs import hangs_from_events
 from .reportschema import (
     REPORT_SCHEMA,
     Attempt,
+    CodeSite,
     ContextSignal,
     Events,
     GroupEntry,
@@ -99,6 +102,7 @@ def build_report(
     rank_meta: dict[int, dict],
     context: pd.DataFrame | None = None,
     step_times: StepTimes | None = None,
+    code: pd.DataFrame | None = None,
 ) -> Report:
     world = int(run_meta["world_size"]) if run_meta else len(figures.ranks)
     hosts = {r: m.get("host") for r, m in rank_meta.items()}
@@ -111,12 +115,17 @@ def build_report(
             detected_step=s.detected_step, lost_seconds=_num(s.lost_seconds, 4), excess_ms=s.excess_ms,
             episodes=[list(e) for e in s.episodes], host=hosts.get(s.rank),
             lost_gpu_seconds=_num(s.lost_seconds * world, 3),
-            time_span=[round(t, 3) for t in window] if window else None,
+            time_span=[round(t, 3) for t in window] if window else None, where=s.where, gap_ms=s.gap_ms,
         ))  # fmt: skip
+    roles = {r: m.get("role") for r, m in rank_meta.items()}
     if context is not None and step_times is not None and stragglers:
-        roles = {r: m.get("role") for r, m in rank_meta.items()}
         for entry, found in zip(stragglers, explain(context, stragglers, step_times, roles), strict=True):
             entry.context = [ContextSignal(**c) for c in found]
+    if step_times is not None and stragglers:
+        for entry, located in zip(stragglers, locate(code, stragglers, step_times, roles), strict=True):
+            entry.code, entry.code_note = [CodeSite(**c) for c in located["code"]], located["note"]
+    for entry in stragglers:
+        entry.hints = hints(entry.cause, entry.where)
     report = Report(
         run_id=run_meta.get("run_id") if run_meta else None,
         world_size=world,
@@ -144,6 +153,19 @@ def build_report(
         for row in report.ranks:
             row.slowdown, row.flagged = None, False
     return report
+
+
+def hints(cause: str, where: str | None) -> list[str]:
+    """What to try when the excess lies in untimed time (``stages.where_excess``)."""
+    if where is None:
+        return []
+    if cause == "data":
+        return ["no fetch is timed, so its data wait is the untimed gap before the forward (with whatever "
+                "else the loop does there): mark the fetch (get_batch = watch.data(get_batch), or with "
+                "watch.data(): ...) or wrap the loader (watch.wrap(loader)) to time it exactly"]
+    return [f"its extra time is untimed code {where}: if the loop fetches data there, mark the fetch "
+            "(get_batch = watch.data(get_batch), or with watch.data(): ...) to count it as data wait; "
+            "the code locations say what else runs there"]
 
 
 def busy_unavailable(rank_meta: dict[int, dict]) -> list[Unavailable]:
@@ -202,7 +224,8 @@ def finish(
     run_meta = read_run_meta(path)
     world_size(path, run_meta, set(plan.ranks.tolist()))  # warns of ranks that recorded nothing
     context = load_context(path) if context is None else context
-    report = build_report(figures, verdict, run_meta, rank_meta, context if len(context) else None, times)
+    report = build_report(figures, verdict, run_meta, rank_meta, context if len(context) else None, times,
+                          load_code(path))  # fmt: skip
     report.run_dir = str(path)
     events, bad = read_events(path)
     report.hangs = hangs_from_events(events, report.world_size or 0, last)

@@ -27,12 +27,15 @@ ENV = {
     "debug_server_port": "STRAGGLERWATCH_DEBUG_SERVER_PORT",
     "debug_server_host": "STRAGGLERWATCH_DEBUG_SERVER_HOST",
     "timing": "STRAGGLERWATCH_TIMING",
+    "code_sample_hz": "STRAGGLERWATCH_CODE_SAMPLE_HZ",
 }
 DISABLE_ENV = "STRAGGLERWATCH_DISABLE"
 #: Values of ``prometheus_mode``: the exporter's series (``exporter.py``'s docstring).
 MODES = ("full", "lean")
 #: Values of ``timing``: which clock times the phases (``devices.py``).
 TIMINGS = ("auto", "host", "cuda")
+#: The default and the highest rate of the code sampler (samples per second).
+CODE_HZ, MAX_CODE_HZ = 20.0, 200.0
 
 
 def _env_port(from_env: dict[str, Any], name: str, lowest: int, consequence: str, problems: Problems | None) -> None:
@@ -120,6 +123,12 @@ class Config:
     power and errors through NVML), taken on a background thread into ``context-NNNNN.arrows``.
     At least 1 s; ``0`` turns the sampler off."""
 
+    code_sample_hz: float | None = None
+    """How often a background thread looks at where in the code the training thread is
+    (``$STRAGGLERWATCH_CODE_SAMPLE_HZ``), so that ``analyze`` can name the code locations of a slow
+    rank's excess (``code-NNNNN.arrows``). Default 20 per second (its cost: README, "Overhead");
+    ``0`` turns it off; at most 200."""
+
     debug_server_port: int | None = None
     """Serve this rank's live state and runtime controls in PyTorch's debug server
     (``$STRAGGLERWATCH_DEBUG_SERVER_PORT``; ``debugserver.py``): every rank starts a worker server on
@@ -184,6 +193,16 @@ class Config:
                     problems.report("config", f"{ENV['timing']}={from_env['timing']!r} is not one of "
                                     f"{', '.join(TIMINGS)}: timing is chosen automatically")  # fmt: skip
                 del from_env["timing"]
+        if "code_sample_hz" in from_env:
+            try:
+                from_env["code_sample_hz"] = float(from_env["code_sample_hz"])
+                if not 0 <= from_env["code_sample_hz"] <= MAX_CODE_HZ:
+                    raise ValueError
+            except ValueError:
+                if problems is not None:
+                    problems.report("config", f"{ENV['code_sample_hz']}={from_env['code_sample_hz']!r} is not a "
+                                    f"rate from 0 to {MAX_CODE_HZ:g}: the default rate is used")  # fmt: skip
+                del from_env["code_sample_hz"]
         if env.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
             from_env["enabled"] = False
         known = {f.name for f in fields(cls)}
@@ -215,5 +234,7 @@ class Config:
             raise ConfigError(f"timing must be one of {', '.join(TIMINGS)}, not {self.timing!r}")
         if not self.close_timeout_s >= 0:
             raise ConfigError(f"close_timeout_s must be >= 0, not {self.close_timeout_s}")
+        if self.code_sample_hz is not None and not 0 <= self.code_sample_hz <= MAX_CODE_HZ:
+            raise ConfigError(f"code_sample_hz must be from 0 (off) to {MAX_CODE_HZ:g}, not {self.code_sample_hz}")
         if self.prometheus_mode is not None and self.prometheus_mode not in MODES:
             raise ConfigError(f"prometheus_mode must be 'full' or 'lean', not {self.prometheus_mode!r}")

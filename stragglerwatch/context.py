@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from .eventlog import RunDirWarning, compact_stream, log_files, read_arrow_stream
+from .streams import read_segment, segment_path, version_problem
 
 CONTEXT_VERSION = "1.0"
 CONTEXT_KEY = b"stragglerwatch.context_version"
@@ -54,12 +54,7 @@ EMPTY = {f.name: ("" if f.type == _S else (-1 if f.name in ("gpu", "clock_reason
 
 def context_path(run_dir: Path, rank: int) -> Path:
     """A fresh segment name for this rank's context (a second attach appends a segment)."""
-    n = 0
-    while True:
-        stem = f"context-{rank:05d}" + (f".{n}" if n else "")
-        if not (run_dir / f"{stem}.arrows").exists() and not (run_dir / f"{stem}.parquet").exists():
-            return run_dir / f"{stem}.arrows"
-        n += 1
+    return segment_path(run_dir, "context", rank)
 
 
 def rows_to_batch(rows: list[dict[str, Any]]) -> pa.RecordBatch:
@@ -69,16 +64,8 @@ def rows_to_batch(rows: list[dict[str, Any]]) -> pa.RecordBatch:
 
 
 def _problem(schema: pa.Schema) -> str | None:
-    try:
-        version = (schema.metadata or {}).get(CONTEXT_KEY)
-        if version is None:
-            return "not a stragglerwatch context stream (no context schema version)"
-        text = version.decode(errors="replace")
-    except (UnicodeDecodeError, ValueError, TypeError) as exc:
-        return f"unreadable schema ({type(exc).__name__})"
-    if text.split(".")[0] != CONTEXT_VERSION.split(".")[0]:
-        return f"context schema version {text} (this reader: {CONTEXT_VERSION})"
-    return None
+    problem = version_problem(schema, CONTEXT_KEY, CONTEXT_VERSION, "context")
+    return problem
 
 
 def read_stream(path: Path, quiet: bool = False) -> pa.Table | None:
@@ -96,20 +83,7 @@ def compact(stream: Path) -> None:
 
 
 def _read(path: Path) -> pa.Table | None:
-    if path.suffix == ".arrows":
-        try:
-            return read_stream(path)
-        except FileNotFoundError:  # compacted while we listed the dir
-            path = path.with_suffix(".parquet")
-    try:
-        problem = _problem(pq.read_schema(path))
-        if problem:
-            warnings.warn(f"{path}: skipped: {problem}", RunDirWarning, stacklevel=3)
-            return None
-        return pq.read_table(path)
-    except (pa.ArrowException, OSError, ValueError) as exc:
-        warnings.warn(f"{path}: skipped: unreadable Parquet ({exc})", RunDirWarning, stacklevel=3)
-        return None
+    return read_segment(path, _problem, read_stream)
 
 
 def context_files(run_dir: Path) -> list[Path]:

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from .consistency import flags as consistency_flags
-from .schema import PHASE_COLUMNS
+from .schema import GAP_COLUMNS, PHASE_COLUMNS
 from .stages import (
     CAUSES,
     Groups,
@@ -46,7 +46,7 @@ from .stages import (
 )
 
 __all__ = ["CAUSES", "DetectConfig", "StepMatrix", "Verdict", "detect", "nanmedian"]
-MATRIX_COLUMNS = ("busy_s", "step_s", "comm_wait_s", *PHASE_COLUMNS)
+MATRIX_COLUMNS = ("busy_s", "step_s", "comm_wait_s", *PHASE_COLUMNS, *GAP_COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,8 @@ class Straggler:
     detected_step: int  # step at which the consistency rule fired
     lost_seconds: float
     excess_ms: dict[str, float] = field(default_factory=dict)  # median excess per cause
+    where: str | None = None  # where in the step the excess lies (``stages.where_excess``)
+    gap_ms: dict[str, float] = field(default_factory=dict)  # median excess per gap (schema.GAPS)
     # (first_step, last_step) of each flagged stretch when a short pause (a stall, a gap in the
     # data, a few healthy steps) interrupted it: one straggler, several episodes
     episodes: list[tuple[int, int | None]] = field(default_factory=list)
@@ -102,6 +104,8 @@ def _merge_episodes(found: list[Straggler], steps: np.ndarray, gap: int) -> list
                 detected_step=prev.detected_step,
                 lost_seconds=prev.lost_seconds + s.lost_seconds,
                 excess_ms=main.excess_ms,
+                where=main.where,
+                gap_ms=main.gap_ms,
                 episodes=[*prev.episodes, (s.first_step, s.last_step)],
             )
         else:
@@ -152,6 +156,8 @@ def _column(frame: pd.DataFrame, col: str) -> np.ndarray:
         return frame[col].to_numpy(dtype=float)
     if col == "comm_wait_s":  # a frame without it: everything that is not busy was communication
         return (frame["step_s"] - frame["busy_s"]).to_numpy(dtype=float)
+    if col in GAP_COLUMNS:  # where the untimed time lay: unknown
+        return np.full(len(frame), np.nan)
     return np.zeros(len(frame))  # a phase the frame's source does not measure
 
 
@@ -215,6 +221,8 @@ def straggler(rank: int, steps: np.ndarray, series: RankSeries, start: int, end:
         detected_step=int(steps[start]),
         lost_seconds=d["lost_seconds"],
         excess_ms=d["excess_ms"],
+        where=d["where"],
+        gap_ms=d["gap_ms"],
     )
 
 

@@ -15,7 +15,7 @@ from . import figures  # noqa: E402
 from .analysis import Analysis  # noqa: E402
 from .ctxfigure import context_figure  # noqa: E402
 from .hangrender import flight_recorder_lines, hang_verdict_lines  # noqa: E402
-from .render import context_text, hang_line, verdict_lines  # noqa: E402
+from .render import code_text, context_text, hang_line, verdict_lines  # noqa: E402
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
@@ -56,7 +56,8 @@ def render_html(analysis: Analysis) -> str:
         parts.append("<h2>Stragglers</h2>")
         parts.append(
             _table(
-                [{**s, "why": context_text(s)} for s in report["stragglers"]],
+                [{**s, "why": context_text(s), "code": code_text(s), "cause": s["cause"] + (
+                    f" ({s['where']})" if s.get("where") else "")} for s in report["stragglers"]],
                 [
                     ("rank", "rank"),
                     ("host", "host"),
@@ -68,6 +69,7 @@ def render_html(analysis: Analysis) -> str:
                     ("lost_seconds", "time lost (s)"),
                     ("lost_gpu_seconds", "GPU-s lost"),
                     ("why", "host and GPU context"),
+                    ("code", "where in the code"),
                 ],
             )  # fmt: skip
         )

@@ -37,8 +37,9 @@ from .eventlog import RunDirWarning, conform, read_log, run_files
 from .explain import StepTimes
 from .runinfo import read_rank_meta
 from .runmatrix import FLOAT64_COLUMNS, ID_COLUMNS, VALUE_COLUMNS, StepPlan, attempt_keys, attempt_list
-from .schema import schema_compatible
+from .schema import GAP_COLUMNS, schema_compatible
 from .stages import (
+    CAUSES,
     Groups,
     HealthyStats,
     RankSeries,
@@ -342,8 +343,8 @@ class LiveRun:
                           "top1": ((), np.float64, -np.inf), "top1_at": ((), np.int64, 0),
                           "top2": ((), np.float64, -np.inf), "group_med": ((len(g.names),), np.float64, np.nan),
                           "ref_h": ((len(g.names),), np.float64, np.nan), "ref_job": ((), np.float64, np.nan),
-                          "peer_phase": ((4,), np.float64, np.nan), "start": ((), np.float64, np.nan),
-                          "end": ((), np.float64, np.nan)})  # fmt: skip
+                          "peer_phase": ((len(CAUSES) + len(GAP_COLUMNS),), np.float64, np.nan),
+                          "start": ((), np.float64, np.nan), "end": ((), np.float64, np.nan)})  # fmt: skip
         d = self.det.arrays
         v = mat.values
         rows = slice(lo, n)
@@ -371,7 +372,7 @@ class LiveRun:
         first = 0 if self.never is None or not np.array_equal(never, self.never) else min(lo, at)
         self.never = never
         phases = cause_phases({c: v[c] for c in ("data_wait_s", "forward_s", "backward_s", "optimizer_s",
-                                                 "other_s")})  # fmt: skip
+                                                 "other_s", *GAP_COLUMNS)})  # fmt: skip
         part_rows = slice(first, n)
         health = healthy_stage(v["busy_s"][part_rows], [p[part_rows] for p in phases], flags[part_rows], never, g)
         d["ref_h"][part_rows], d["ref_job"][part_rows], d["peer_phase"][part_rows] = (

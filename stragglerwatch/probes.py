@@ -217,6 +217,14 @@ class StepProbe:
         """Recording is off (``recording``, applied at a step end): the hooks idle, steps only counted."""
         return self._paused
 
+    def sampled(self) -> tuple[int, int, str] | None:
+        """(training thread id, step, phase) for the code sampler, from any thread; None while no
+        step is under way (before the first, recording off)."""
+        step, phase, _ = self.where
+        if not self.enabled or phase == "idle" or self._cur is None:
+            return None
+        return self._tid, step, phase
+
     def _at(self, host: float, phase: str | None = None) -> Any:
         """A mark for host time ``host`` (the host clock itself, or a new device event); on the
         device, ``phase`` is what the stream runs from the mark on (for :attr:`device_trail`)."""
@@ -258,6 +266,8 @@ class StepProbe:
 
     def exact_data(self) -> None:
         """Data wait is timed where batches are fetched, not taken as the gap before forward."""
+        if not self._data_from_gap:
+            return
         self._data_from_gap = False
         if self._cur is not None:
             self._cur.data_from_gap = False
@@ -275,28 +285,34 @@ class StepProbe:
             yield item
 
     def data_begin(self) -> Any:
-        """The training thread starts waiting for a batch (a wrapped loader, a framework's
-        fetch). Returns a token for :meth:`data_end`; never raises."""
+        """The training thread starts waiting for a batch (a wrapped loader, a marked fetch, a
+        framework's fetch). Returns a token for :meth:`data_end`; never raises. A fetch on another
+        thread (a prefetcher's) is not the training thread's wait: None."""
         t0 = self._now()
         try:
-            if not self.enabled:
+            if not self.enabled or threading.get_ident() != self._tid:
                 return None
             m = self._cur or self._begin(t0)  # the first step starts here
+            step, phase, _ = self.where
             self.where = (self._next_step, "data_wait", t0)
-            return (m, t0)
+            return (m, self._at(t0, "data_wait"), phase)
         except Exception:
             return None
 
     def data_end(self, token: Any) -> None:
         if token is None:
             return
-        m, t0 = token
-        t1 = self._now()
-        self.where = (self._next_step, "other", t1)
-        if len(m.data) < MAX_MARKS:
-            m.data.append((t0, t1))
-        else:
-            self.dropped_marks += 1
+        try:
+            m, start, phase = token
+            t1 = self._now()
+            back = "other" if phase in ("data_wait", "idle") else phase
+            self.where = (self._next_step, back, t1)
+            if len(m.data) < MAX_MARKS:
+                m.data.append((start, self._at(t1, back)))
+            else:
+                self.dropped_marks += 1
+        except Exception:
+            self.faults += 1
 
     # -- forward ----------------------------------------------------------
     @_guarded

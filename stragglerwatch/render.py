@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .codeprofile import describe_site
 from .hangrender import flight_recorder_lines, hang_verdict_lines
 
 MAX_TABLE_ROWS = 16
@@ -28,6 +29,17 @@ def _steps(s: dict[str, Any]) -> str:
     return f"from step {s['first_step']} to step {s['last_step']}" + (f" ({paused[2:]})" if paused else "")
 
 
+def code_text(s: dict[str, Any]) -> str:
+    """Where in the code a straggler's excess lies, or why that is not known."""
+    sites = s.get("code") or []
+    if not sites:
+        note = s.get("code_note")
+        return f"not located ({note})" if note else ""
+    total = sum(c["excess_ms"] for c in sites) / max(sum(c["share"] for c in sites), 1e-9)
+    parts = [f"{c['share']:.0%} at {describe_site(c)}" for c in sites]
+    return f"of its extra {total:.1f} ms/step, " + "; ".join(parts)
+
+
 def verdict_lines(report: dict[str, Any]) -> list[str]:
     """The verdict in a few sentences; shared by the text report and the dashboard banner."""
     lines = []
@@ -42,14 +54,19 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"{n} straggler{'s' if n > 1 else ''}:")
         for s in stragglers:
             excess = s["excess_ms"].get(s["cause"], 0.0)
+            where = f"{s['where']}, " if s.get("where") else ""
             lines.append(
                 f"  rank {s['rank']} is {s['slowdown']:.2f}x as busy as its peers {_steps(s)}; "
-                f"cause: {s['cause']} (+{excess:.1f} ms/step); cost {_duration(s['lost_seconds'])} "
+                f"cause: {s['cause']} ({where}+{excess:.1f} ms/step); cost {_duration(s['lost_seconds'])} "
                 f"({s['lost_gpu_seconds']:.0f} GPU-s)"
             )
             why = context_text(s)
             if why:
                 lines.append(f"    why: {why}")
+            code = code_text(s)
+            if code:
+                lines.append(f"    code: {code}")
+            lines += [f"    try: {h}" for h in s.get("hints") or []]
     else:
         lines.append("no consistently slow rank.")
     attempts = report.get("attempts") or []

@@ -26,6 +26,17 @@ class ContextSignal:
 
 
 @dataclass
+class CodeSite:
+    """A code location holding part of a straggler's excess (``codeprofile.py``)."""
+
+    site: str  # the innermost frame of the user's code: "path:line function"
+    leaf: str  # the innermost frame of all (a library's, often)
+    native: bool  # inside a call into native code there: Python cannot see further
+    share: float  # of the excess the sites with an excess hold
+    excess_ms: float  # per step, over its peers' median
+
+
+@dataclass
 class StragglerEntry:
     rank: int
     cause: str  # data, compute, optimizer or other
@@ -40,6 +51,11 @@ class StragglerEntry:
     lost_gpu_seconds: float | None = None
     time_span: list[float] | None = None  # Unix seconds, its first flagged step's start to its last's end
     context: list[ContextSignal] = field(default_factory=list)
+    where: str | None = None  # where in the step the excess lies, e.g. "between forward and backward"
+    gap_ms: dict[str, float] = field(default_factory=dict)  # excess per gap of untimed time
+    code: list[CodeSite] = field(default_factory=list)  # the code locations of its excess, best first
+    code_note: str | None = None  # why ``code`` is empty
+    hints: list[str] = field(default_factory=list)  # what to try, from what was measured
 
 
 @dataclass
@@ -142,7 +158,8 @@ class Report:
             raise ValueError(f"not a {REPORT_SCHEMA} report (schema {data.get('schema')!r})")
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in data.items() if k in known and k != "extra"}
-        kw["stragglers"] = [StragglerEntry(**{**s, "context": [ContextSignal(**c) for c in s.get("context", [])]})
+        kw["stragglers"] = [StragglerEntry(**{**s, "context": [ContextSignal(**c) for c in s.get("context", [])],
+                                              "code": [CodeSite(**c) for c in s.get("code", [])]})
                             for s in data["stragglers"]]  # fmt: skip
         kw["busy_unavailable"] = [Unavailable(**u) for u in data["busy_unavailable"]]
         kw["group_imbalance"] = [GroupEntry(**g) for g in data["group_imbalance"]]

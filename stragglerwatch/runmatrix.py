@@ -28,11 +28,11 @@ import pyarrow.parquet as pq
 
 from .eventlog import read_log
 from .runinfo import MAX_RANKS
-from .schema import PHASE_COLUMNS, schema_compatible
+from .schema import GAP_COLUMNS, PHASE_COLUMNS, schema_compatible
 
 ID_COLUMNS = ["rank", "step", "restart", "attach"]
 FLOAT64_COLUMNS = ("busy_s", "step_s", "comm_wait_s", "start_time")
-VALUE_COLUMNS = (*FLOAT64_COLUMNS, *PHASE_COLUMNS)
+VALUE_COLUMNS = (*FLOAT64_COLUMNS, *PHASE_COLUMNS, *GAP_COLUMNS)
 _KEY = 65536  # attempt key = restart * _KEY + attach
 
 

@@ -20,13 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-
 from .context import CONTEXT_SCHEMA, compact, context_path, rows_to_batch
 from .gpuctx import EMPTY as GPU_EMPTY
 from .gpuctx import GpuSampler, open_gpu
 from .hostctx import HostSampler
 from .log import Problems
+from .streams import SegmentAppender
 
 #: Fewest seconds between two samples: the sampler is low-rate by design.
 MIN_INTERVAL_S = 1.0
@@ -67,11 +66,15 @@ class ContextSampler:
         self._rows: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._file: Any = None
-        self._writer: pa.RecordBatchStreamWriter | None = None
-        self._path: Path | None = None
+        self._stream = SegmentAppender(lambda: context_path(run_dir, rank), CONTEXT_SCHEMA,  # type: ignore[arg-type]
+                                       lambda message: self._fail("write", message))  # fmt: skip
         self._last: float | None = None
         self._thread = threading.Thread(target=self._run, name=f"stragglerwatch-context-{rank}", daemon=True)
+
+    @property
+    def file(self) -> Any:
+        """The open stream's file (for a forked child to point away from)."""
+        return self._stream.file
 
     def start(self) -> ContextSampler:
         self._thread.start()
@@ -126,30 +129,8 @@ class ContextSampler:
     def _write(self) -> None:
         """Append the buffered rows to the stream (under the lock)."""
         rows, self._rows = self._rows, []
-        if not rows or self.run_dir is None:
-            return
-        try:
-            if self._writer is not None and self._path is not None and not self._path.exists():
-                self._abandon()  # deleted under us: a new segment
-            if self._writer is None:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                self._path = context_path(self.run_dir, self.rank)
-                self._file = open(self._path, "wb")  # noqa: SIM115 - lives as long as the sampler
-                self._writer = pa.ipc.new_stream(self._file, CONTEXT_SCHEMA)
-            self._writer.write_batch(rows_to_batch(rows))
-            self._file.flush()
-        except Exception as exc:
-            self._abandon()
-            self._fail("write", f"cannot write {self._path}: {type(exc).__name__}: {exc}")
-
-    def _abandon(self) -> None:
-        for closable in (self._writer, self._file):
-            try:
-                if closable is not None:
-                    closable.close()
-            except Exception:
-                pass
-        self._writer = self._file = None
+        if rows and self.run_dir is not None:
+            self._stream.append(rows_to_batch(rows))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the thread (waiting at most ``timeout_s``), write the rest, compact to Parquet. Never raises."""
@@ -161,15 +142,9 @@ class ContextSampler:
             return
         try:
             self._write()
-            if self._writer is not None:
-                path = self._path
-                self._writer.close()
-                self._file.close()
-                self._writer = self._file = None
-                if path is not None:
-                    compact(path)
+            self._stream.finish(compact)
         except Exception as exc:
-            self._fail("close", f"cannot finish {self._path} (it stays readable as a stream): {exc}")
+            self._fail("close", f"cannot finish {self._stream.path} (it stays readable as a stream): {exc}")
         finally:
             self.run_dir = None  # a sample still under way after close() writes nothing
             self._lock.release()

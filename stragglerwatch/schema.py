@@ -11,7 +11,8 @@ version of their major (new columns are additive) and refuse other majors; a
 column an older minor version lacks is derived from what it has
 (:func:`upgrade`). 1.1 added ``collective_wait_s``, ``eval_s`` and ``comm_wait_s``:
 before it, the gradient all-reduce was the only communication subtracted. 1.2 added
-``restart`` and ``attach``: a record is identified by (rank, restart, attach, step).
+``restart`` and ``attach``: a record is identified by (rank, restart, attach, step). 1.3 added the
+``gap_*_s`` columns: the time no probe timed, by where in the step it lies (older logs read NaN).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 SCHEMA_MAJOR = SCHEMA_VERSION.split(".")[0]
 META_KEY = b"stragglerwatch.schema_version"
 
@@ -35,6 +36,20 @@ PHASE_COLUMNS = tuple(f"{p}_s" for p in PHASES)
 COMM_PHASES = ("allreduce_wait", "collective_wait")
 #: Phases that are not the rank's own training work: excluded from busy time.
 NOT_BUSY_PHASES = (*COMM_PHASES, "eval")
+#: Where in a step the time no probe timed lies (it is ``other``, or the data wait inferred from the
+#: gap before the first forward when no fetch is timed): before a forward (the step's start, the
+#: end of a micro-batch's backward), between a forward and its backward, between the last backward
+#: and the optimizer, after an optimizer step.
+GAPS = ("before_forward", "forward_backward", "backward_optimizer", "after_optimizer")
+#: Column name of each gap's seconds.
+GAP_COLUMNS = tuple(f"gap_{g}_s" for g in GAPS)
+#: How each gap is said in reports.
+GAP_TEXT = {
+    "before_forward": "before the forward",
+    "forward_backward": "between forward and backward",
+    "backward_optimizer": "between backward and the optimizer",
+    "after_optimizer": "after the optimizer",
+}
 
 
 class StepRecord(NamedTuple):
@@ -61,6 +76,10 @@ class StepRecord(NamedTuple):
     bucket_allreduce_s: list[float]  # seconds from bucket ready to its all-reduce done
     restart: int = 0  # torchrun's restart count of the worker group (TORCHELASTIC_RESTART_COUNT)
     attach: int = 0  # the process's earlier attach() calls: steps count from 0 again at each
+    gap_before_forward_s: float = 0.0  # untimed time before a forward (data wait when no fetch is timed)
+    gap_forward_backward_s: float = 0.0  # untimed time between a forward's end and the backward
+    gap_backward_optimizer_s: float = 0.0  # untimed time between the backward and the optimizer
+    gap_after_optimizer_s: float = 0.0  # untimed time after an optimizer step
 
 
 STEP_SCHEMA = pa.schema(
@@ -79,6 +98,7 @@ STEP_SCHEMA = pa.schema(
         pa.field("bucket_allreduce_s", pa.list_(pa.float64())),
         pa.field("restart", pa.int32()),
         pa.field("attach", pa.int32()),
+        *(pa.field(c, pa.float64()) for c in GAP_COLUMNS),
     ],
     metadata={META_KEY: SCHEMA_VERSION.encode()},
 )
@@ -122,13 +142,14 @@ def _compatible(schema: pa.Schema) -> str | None:
 
 #: Columns added after 1.0, and how a file without them is read: before 1.1 only the
 #: gradient all-reduce was subtracted, and evaluation was not told apart; before 1.2 a
-#: run had one attempt.
+#: run had one attempt; before 1.3 where the untimed time lay was not recorded (NaN: unknown).
 _DERIVED = {
     "collective_wait_s": lambda t: pa.array(np.zeros(t.num_rows)),
     "eval_s": lambda t: pa.array(np.zeros(t.num_rows)),
     "comm_wait_s": lambda t: t["allreduce_wait_s"],
     "restart": lambda t: pa.array(np.zeros(t.num_rows, dtype=np.int32)),
     "attach": lambda t: pa.array(np.zeros(t.num_rows, dtype=np.int32)),
+    **{c: (lambda t: pa.array(np.full(t.num_rows, np.nan))) for c in GAP_COLUMNS},
 }
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .datamark import mark_fetch
 from .models import ModelInfo
 from .probes import StepProbe, is_compiling
 
@@ -148,18 +149,7 @@ def time_fetch(obj: Any, begin: str, end: str | None, probe: StepProbe) -> list[
     fetch as data wait, as a wrapped loader would."""
     probe.exact_data()
     if end is None:
-
-        def fetch(inner: Callable[..., Any]) -> Callable[..., Any]:
-            def timed(*args: Any, **kwargs: Any) -> Any:
-                token = probe.data_begin()
-                try:
-                    return inner(*args, **kwargs)
-                finally:
-                    probe.data_end(token)
-
-            return timed
-
-        return [Shadow(obj, begin, fetch)]
+        return [Shadow(obj, begin, lambda inner: mark_fetch(probe, inner))]
     pending: list[Any] = []
 
     def on_begin(inner: Callable[..., Any]) -> Callable[..., Any]:

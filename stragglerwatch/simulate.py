@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .runinfo import RunInfo, write_json_atomic
-from .schema import SCHEMA_VERSION, STEP_SCHEMA
+from .schema import GAP_COLUMNS, SCHEMA_VERSION, STEP_SCHEMA
 
 PHASE_SHARES = {"data_wait_s": 0.05, "forward_s": 0.30, "backward_s": 0.55, "optimizer_s": 0.05, "other_s": 0.05}
 CAUSE_PHASES = {"compute": ("forward_s", "backward_s"), "data": ("data_wait_s",),
@@ -255,6 +255,8 @@ def rank_table(arrays: dict[str, np.ndarray], rank: int, column: int, start_time
     }
     for col, values in arrays.items():
         columns[col] = pa.array(np.ascontiguousarray(values[:, column]))
+    for col in GAP_COLUMNS:  # a simulation does not say where its untimed time lay
+        columns.setdefault(col, pa.array(np.full(n, np.nan)))
     return pa.Table.from_pydict({f.name: columns[f.name] for f in STEP_SCHEMA}, schema=STEP_SCHEMA)
 
 

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import bottleneck as bn
 import numpy as np
 
+from .schema import GAP_COLUMNS, GAP_TEXT, GAPS
+
 if TYPE_CHECKING:
     from .detect import DetectConfig
 
@@ -126,8 +128,31 @@ class HealthyStats:
 
 
 def cause_phases(values: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """Each cause's time (the sum of its phases, float32) per step and rank."""
-    return [sum((values[c].astype(np.float32) for c in cols), np.zeros((), np.float32)) for cols in CAUSES.values()]
+    """Each cause's time (the sum of its phases, float32) per step and rank, then each gap's
+    (:data:`~stragglerwatch.schema.GAPS`: where the untimed time lies; NaN where not recorded)."""
+    causes = [sum((values[c].astype(np.float32) for c in cols), np.zeros((), np.float32)) for cols in CAUSES.values()]
+    shape = causes[0].shape
+    return causes + [values[c].astype(np.float32) if c in values else np.full(shape, np.nan, np.float32)
+                     for c in GAP_COLUMNS]  # fmt: skip
+
+
+#: Share of a cause's excess a gap's excess must hold to be named as where it lies.
+WHERE_SHARE = 0.5
+
+
+def where_excess(cause: str, excess_ms: dict[str, float], gap_ms: dict[str, float]) -> str | None:
+    """Where in the step a straggler's ``other`` excess lies (a gap holding most of it), or that
+    its ``data`` excess is the gap before the forward (no fetch timed); None otherwise. Pure."""
+    total = excess_ms.get(cause, 0.0)
+    if cause not in ("other", "data") or not total > 0:
+        return None
+    known = {g: v for g, v in gap_ms.items() if v == v}  # NaN: not recorded (an older log)
+    if cause == "data":
+        return GAP_TEXT["before_forward"] if known.get("before_forward", 0.0) >= WHERE_SHARE * total else None
+    if not known:
+        return None
+    gap = max(known, key=known.__getitem__)
+    return GAP_TEXT[gap] if known[gap] >= WHERE_SHARE * total else None
 
 
 def healthy_stage(
@@ -209,12 +234,21 @@ def describe(series: RankSeries, start: int, end: int | None, cfg: DetectConfig)
     slowdown = float(np.nanmedian(series.busy[span] / series.ref_h[span]))
     # what-if: the step without this rank's excess is set by the reference or the busiest other rank
     lost = np.clip(series.busy[span] - np.maximum(series.ref_h[span], series.other_max[span]), 0.0, None)
-    excess_ms = {}
-    for c, cause in enumerate(CAUSES):
-        diff = series.phases[c][span] - series.peer_phase[span, c]
-        excess_ms[cause] = round(float(np.nanmedian(diff)) * 1000.0, 3)
+    excess_ms, gap_ms = {}, {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # gaps of an older log: all NaN
+        for c, name in enumerate((*CAUSES, *GAPS)):
+            diff = series.phases[c][span] - series.peer_phase[span, c]
+            value = round(float(np.nanmedian(diff)) * 1000.0, 3)
+            if c < len(CAUSES):
+                excess_ms[name] = value
+            elif value == value:  # a gap an older log did not record is left out
+                gap_ms[name] = value
+    cause = max(excess_ms, key=excess_ms.__getitem__)
     return {
-        "cause": max(excess_ms, key=excess_ms.__getitem__),
+        "cause": cause,
+        "where": where_excess(cause, excess_ms, gap_ms),
+        "gap_ms": gap_ms,
         "slowdown": round(slowdown, 4),
         "first": first,
         "last": last,

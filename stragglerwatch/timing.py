@@ -19,17 +19,22 @@ the most specific interval covering it, in this order:
     > other (the rest)
 
 so the phases partition the step exactly. ``busy = step - communication - eval``
-is the straggler signal. Per-bucket ready/all-reduce marks are optional
+is the straggler signal. The time no interval covers is also split by where it lies
+(:func:`gaps`: before a forward, between forward and backward, between backward and the
+optimizer, after the optimizer), so that a report can say where an ``other`` excess sits.
+Data waits the loop marks (``Watch.data``, a wrapped loader) rank just below communication and
+evaluation: a fetch between forward and backward is data wait, not other. Per-bucket ready/all-reduce marks are optional
 (``bucket_timings``).
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterable
 from typing import Any
 
-from .schema import StepRecord
+from .schema import GAPS, StepRecord
 
 #: The list-valued marks of a step, in the order :meth:`StepMarks.lengths` reports them.
 _LISTS = ("fwd_start", "fwd_end", "bwd_start", "bwd_end", "ready", "done", "sync", "comm", "evals", "opt", "data")
@@ -56,7 +61,7 @@ class StepMarks:
         self.comm: list[tuple[Any, Any]] = []  # every other collective waited for: (start, end)
         self.evals: list[list[Any]] = []  # [start, end] of each evaluation pass (end None while open)
         self.opt: list[list[Any]] = []  # [start, end] of each optimizer.step() (end None while open)
-        self.data: list[tuple[float, float]] = []  # host intervals blocked in a wrapped loader
+        self.data: list[tuple[Any, Any]] = []  # blocked fetching: a wrapped loader, a marked fetch
 
     def lengths(self) -> tuple[int, ...]:
         """How many marks each list holds now (a cut point for :meth:`split`)."""
@@ -73,10 +78,10 @@ class StepMarks:
         return tail
 
     def events(self) -> list[Any]:
-        """Every device mark of the step, in no particular order (host ``data`` excluded)."""
+        """Every device mark of the step, in no particular order."""
         marks = [self.start, self.end, *self.fwd_start, *self.fwd_end, *self.bwd_start, *self.bwd_end]
         marks += [m for _, m in self.ready] + [m for _, m in self.done]
-        for pairs in (self.sync, self.comm, self.evals, self.opt):
+        for pairs in (self.sync, self.comm, self.evals, self.opt, self.data):
             marks += [m for pair in pairs for m in pair if m is not None]
         return marks
 
@@ -143,6 +148,45 @@ def _closed(pairs: Iterable[Any]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in pairs if b is not None]
 
 
+def _complement(union: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    """[lo, hi] minus a sorted disjoint union."""
+    out, at = [], lo
+    for a, b in union:
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if hi > at:
+        out.append((at, hi))
+    return out
+
+
+def gaps(m: StepMarks, timed: list[tuple[float, float]], lo: float, hi: float) -> dict[str, float]:
+    """Seconds of [lo, hi] outside every ``timed`` interval, per :data:`~stragglerwatch.schema.GAPS`
+    entry: each untimed stretch is named by the training marks around it (a forward next: before
+    the forward; after a forward: between forward and backward; after a backward: between backward
+    and the optimizer; after an optimizer step: after the optimizer). Pure."""
+    anchors = sorted(
+        [(t, "F") for t in m.fwd_start] + [(t, "f") for t in m.fwd_end] + [(t, "B") for t in m.bwd_start]
+        + [(t, "b") for t in m.bwd_end] + [(b, "b") for _, b in m.sync]
+        + [(a, "O") for a, _ in m.opt] + [(b, "o") for _, b in m.opt if b is not None]
+    )  # fmt: skip
+    times = [t for t, _ in anchors]
+    out = dict.fromkeys(GAPS, 0.0)
+    for a, b in _complement(_union(timed, lo, hi), lo, hi):
+        i = bisect.bisect_right(times, a) - 1  # the last mark at or before the stretch
+        j = bisect.bisect_left(times, b)  # the first mark at or after it
+        prev = anchors[i][1] if i >= 0 else None
+        if prev is None or (j < len(anchors) and anchors[j][1] == "F"):
+            out["before_forward"] += b - a
+        elif prev in "Ff":
+            out["forward_backward"] += b - a
+        elif prev in "Bb":
+            out["backward_optimizer"] += b - a
+        else:
+            out["after_optimizer"] += b - a
+    return out
+
+
 def _data_gaps(m: StepMarks) -> list[tuple[float, float]]:
     """Without a wrapped loader, the loop fetches a batch before each micro-batch's forward: the
     gap before the first forward, and under accumulation each gap between a backward's end and
@@ -169,20 +213,17 @@ def anatomy(
     start, end = m.start, m.end
     step_s = max(0.0, end - start)
     gap = _data_gaps(m) if m.data_from_gap else []
-    sec = carve(
-        [
-            ("allreduce_wait", m.sync),
-            ("collective_wait", m.comm),
-            ("eval", _closed(m.evals)),
-            ("forward", zip(m.fwd_start, m.fwd_end, strict=False)),
-            ("backward", zip(m.bwd_start, m.bwd_end, strict=False)),
-            ("data_wait", m.data),
-            ("optimizer", _closed(m.opt)),
-            ("data_wait", gap),
-        ],
-        start,
-        end,
-    )
+    layers: list[tuple[str, list[tuple[float, float]]]] = [
+        ("allreduce_wait", list(m.sync)),
+        ("collective_wait", list(m.comm)),
+        ("eval", _closed(m.evals)),
+        ("data_wait", list(m.data)),
+        ("forward", list(zip(m.fwd_start, m.fwd_end, strict=False))),
+        ("backward", list(zip(m.bwd_start, m.bwd_end, strict=False))),
+        ("optimizer", _closed(m.opt)),
+    ]
+    untimed = gaps(m, [iv for _, intervals in layers for iv in intervals], start, end)
+    sec = carve([*layers, ("data_wait", gap)], start, end)
     get = sec.get
     allreduce_wait_s, collective_wait_s = get("allreduce_wait", 0.0), get("collective_wait", 0.0)
     eval_s = get("eval", 0.0)
@@ -211,6 +252,7 @@ def anatomy(
         bucket_allreduce_s=allreduce_s,
         restart=restart,
         attach=attach,
+        **{f"gap_{g}_s": v for g, v in untimed.items()},
     )
 
 
@@ -242,8 +284,9 @@ def resolve_cuda(m: StepMarks, deadline: float | None = None) -> Any:
 
     Returns ``None`` while any event is still pending (with a ``deadline``, used only at close,
     off the hot path, it polls until then), and :data:`DROPPED` for a step with a mark made
-    inside a CUDA graph capture. The data wait is what the device saw: with a wrapped loader,
-    the host's blocked time capped by the device's idle gap before the first forward.
+    inside a CUDA graph capture. Data waits are device marks too: the device's time between the
+    fetch's start and end marks is what it idled for the fetch (nothing, when queued work kept it
+    busy while the host fetched).
     """
     events = m.events()
     if any(isinstance(ev, CapturedMark) for ev in events):
@@ -267,7 +310,5 @@ def resolve_cuda(m: StepMarks, deadline: float | None = None) -> Any:
     r.done = [(i, sec(e)) for i, e in m.done]
     r.sync, r.comm, r.evals, r.opt = pairs(m.sync), pairs(m.comm), pairs(m.evals), pairs(m.opt)
     r.end = sec(m.end)
-    if m.data and r.fwd_start:
-        waited = min(sum(b - a for a, b in m.data), max(0.0, r.fwd_start[0]))
-        r.data = [(r.fwd_start[0] - waited, r.fwd_start[0])]
+    r.data = pairs(m.data)
     return r

@@ -33,10 +33,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .config import Config
+from .codemetrics import CodeCollector
+from .codesampler import CodeSampler
+from .config import CODE_HZ, Config
 from .control import Controls
 from .coverage import UnavailableNotes, unseen_communication
 from .ctxmetrics import ContextCollector
+from .datamark import DataMark, mark_fetch
 from .devices import CaptureGate, CudaMarks, compute_device, device_progress
 from .eventlog import EventLogWriter, log_path
 from .exporter import Exporter, RankCollector, RankMetrics
@@ -81,6 +84,7 @@ class Watch:
         self._shutdown: ShutdownHooks | None = None
         self._exporter: Exporter | None = None
         self._context: ContextSampler | None = None
+        self._code: CodeSampler | None = None
         self._notes: UnavailableNotes | None = None
         self._controls: Controls | None = None
         self._marks: CudaMarks | None = None  # CUDA timing: the probe's clock
@@ -135,6 +139,7 @@ class Watch:
             "last_step_timestamp": None if last is None else self._wall_anchor + last,
             "busy_unavailable": self._notes.reasons() if self._notes else [],
             "context_samples": self._context.samples if self._context else 0,
+            "code_samples": self._code.samples if self._code else 0,
             "problems": dict(self.problems.counts),
         }
 
@@ -144,6 +149,24 @@ class Watch:
         if self._probe is None or self._closed:
             return iterable
         return self._probe.wrap(iterable)
+
+    def data(self, fetch: Any = None) -> Any:
+        """Mark where the loop fetches its batches, for loops without a ``DataLoader``: time
+        inside is data wait wherever it happens in the step (also between forward and backward).
+        ``get_batch = watch.data(get_batch)`` wraps a fetch function; ``with watch.data(): x, y =
+        next(it)`` marks a block; an iterable (a loader) is wrapped as by :meth:`wrap`. Once a fetch
+        is marked, the gap before the first forward is no longer taken for data wait. On a closed or
+        disabled handle: ``fetch`` unchanged, or a context manager that does nothing."""
+        probe = self._probe if not self._closed else None
+        if fetch is None:
+            return DataMark(probe)
+        if probe is None:
+            return fetch
+        if callable(fetch):
+            return mark_fetch(probe, fetch)
+        if hasattr(fetch, "__iter__"):
+            return self.wrap(fetch)
+        raise TypeError(f"watch.data() marks a fetch function, a loader or a with-block, not {type(fetch).__name__}")
 
     def latest(self) -> dict[str, float] | None:
         """This rank's latest step written to the log (seconds per phase, ``busy_ratio``: busy
@@ -215,6 +238,8 @@ class Watch:
             steps += [("finish the step log", self._writer.close), ("record", self._record_unresolved)]
         if self._context is not None:
             steps.append(("finish the context stream", self._context.close))
+        if self._code is not None:
+            steps.append(("finish the code samples", self._code.close))
         if self._exporter is not None:
             steps.append(("stop the exporter", self._exporter.close))
         for what, step in steps:
@@ -256,7 +281,8 @@ class Watch:
             except Exception:
                 pass
         self._handles.clear()
-        files = [getattr(self._writer, "_file", None), getattr(self._context, "_file", None)]
+        files = [getattr(self._writer, "_file", None), getattr(self._context, "file", None),
+                 getattr(self._code, "file", None)]
         native = getattr(self._watchdog, "native", None)
         if native is not None:  # disarmed before the fork (NativeStacks.before_fork): only its file is left
             files.append(native._file)
@@ -384,7 +410,8 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
                 "watchdog_timeout_s": cfg.watchdog_timeout_s, "prometheus_port": cfg.prometheus_port,
                 "prometheus_mode": cfg.prometheus_mode or "full", "ddp": is_ddp, "fsdp2": parts.fsdp2,
                 "compiled": parts.compiled, "bucket_timings": bucket_timings,
-                "context_interval_s": cfg.context_interval_s}  # fmt: skip
+                "context_interval_s": cfg.context_interval_s,
+                "code_sample_hz": CODE_HZ if cfg.code_sample_hz is None else cfg.code_sample_hz}  # fmt: skip
     role = cfg.role if cfg.role is not None else mesh_role(parts.mesh)
     rank_meta: dict[str, Any] = {"device": str(device), "timing": timing, "role": role}
     unseen = unseen_communication(parts.target or model)
@@ -438,6 +465,9 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
         gpu = _cuda_index(device) if device.type == "cuda" else None
         watch._context = ContextSampler(info.run_dir, info.rank, interval_s=cfg.context_interval_s, gpu_index=gpu,
                                         problems=problems)  # fmt: skip
+    code_hz = CODE_HZ if cfg.code_sample_hz is None else cfg.code_sample_hz
+    if code_hz:
+        watch._code = CodeSampler(info.run_dir, info.rank, probe.sampled, hz=code_hz, problems=problems)
     if cfg.prometheus_port is not None:
         metrics = RankMetrics()
         writer.observers.append(metrics.observe)
@@ -447,6 +477,8 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
         watch._exporter = Exporter(collector, int(cfg.prometheus_port) + info.local_rank,
                                    cfg.prometheus_addr or "0.0.0.0", Path(cfg.sd_dir) if cfg.sd_dir else None,
                                    problems)  # fmt: skip
+        if watch._code is not None:
+            watch._exporter.registry.register(CodeCollector(watch._code, info.run_id, info.rank))
         if watch._context is not None:
             watch._exporter.registry.register(ContextCollector(watch._context, info.run_id, info.rank, info.host,
                                                                lean=lean))  # fmt: skip
@@ -471,8 +503,9 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
     if watch._watchdog is not None:
         watch._shutdown = ShutdownHooks(watch._watchdog)
         watch._watchdog.start()
-    if watch._context is not None:
-        watch._context.start()
+    for sampler in (watch._context, watch._code):
+        if sampler is not None:
+            sampler.start()
     watch.controls.start(cfg.control_interval_s, cfg.debug_server_port, cfg.debug_server_host)
 
 

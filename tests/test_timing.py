@@ -198,3 +198,51 @@ def test_split_moves_the_marks_after_the_cut_into_the_next_step() -> None:
     assert (m.end, m.fwd_start, m.comm) == (10.03, [10.0], [])
     assert (tail.step, tail.start, tail.fwd_start, tail.fwd_end) == (4, 10.03, [10.05], [10.06])
     assert tail.comm == [(10.04, 10.045)]
+
+
+def test_untimed_time_is_named_by_where_it_lies() -> None:
+    # a fetch between forward and backward (10.015-10.030, unmarked), clipping and logging between the
+    # end of the all-reduce wait and the optimizer (10.050-10.053), the gap before the forward is data
+    m = marks(fwd_start=[10.005], fwd_end=[10.015], bwd_start=[10.030], bwd_end=[10.040], sync=[(10.040, 10.050)],
+              opt_start=10.053, end=10.055)  # fmt: skip
+    r = anatomy(m, rank=0, wall_anchor=0.0)
+    assert r.gap_before_forward_s == pytest.approx(0.005)
+    assert r.gap_forward_backward_s == pytest.approx(0.015)
+    assert r.gap_backward_optimizer_s == pytest.approx(0.003)
+    assert r.gap_after_optimizer_s == 0.0
+    assert r.data_wait_s == pytest.approx(0.005), "without a timed fetch the gap before the forward is data"
+    assert r.other_s == pytest.approx(0.018), "the rest of the untimed time is other, wherever it lies"
+    assert phase_sum(r) == pytest.approx(r.step_s)
+
+
+def test_a_marked_fetch_between_forward_and_backward_is_data() -> None:
+    m = marks(gap=False, fwd_start=[10.005], fwd_end=[10.015], data=[(10.016, 10.029)], bwd_start=[10.030],
+              bwd_end=[10.040], opt_start=10.045, end=10.050)  # fmt: skip
+    r = anatomy(m, rank=0, wall_anchor=0.0)
+    assert r.data_wait_s == pytest.approx(0.013)
+    assert r.gap_forward_backward_s == pytest.approx(0.002), "only what the marked fetch did not cover"
+    assert r.gap_before_forward_s == pytest.approx(0.005), "no longer data: a fetch is marked"
+    assert r.gap_backward_optimizer_s == pytest.approx(0.005)
+    assert r.other_s == pytest.approx(0.012)
+    assert phase_sum(r) == pytest.approx(r.step_s)
+
+
+def test_marked_fetch_outranks_the_forward_it_sits_in_but_not_a_collective() -> None:
+    m = marks(gap=False, fwd_start=[10.0], fwd_end=[10.030], data=[(10.005, 10.020)], comm=[(10.010, 10.015)],
+              opt_start=10.030, end=10.040)  # fmt: skip
+    r = anatomy(m, rank=0, wall_anchor=0.0)
+    assert r.collective_wait_s == pytest.approx(0.005)
+    assert r.data_wait_s == pytest.approx(0.010)
+    assert r.forward_s == pytest.approx(0.015)
+
+
+def test_gaps_under_accumulation_and_after_the_optimizer() -> None:
+    # two micro-batches; the second's fetch gap (10.025-10.030) lies before its forward; a second optimizer's
+    # step follows 5 ms after the first's (after the optimizer) and ends the step
+    m = marks(gap=False, fwd_start=[10.0, 10.030], fwd_end=[10.010, 10.040], bwd_start=[10.010, 10.040],
+              bwd_end=[10.025, 10.055], end=10.070)  # fmt: skip
+    m.opt = [[10.055, 10.060], [10.065, 10.070]]
+    r = anatomy(m, rank=0, wall_anchor=0.0)
+    assert r.gap_before_forward_s == pytest.approx(0.005)
+    assert r.gap_after_optimizer_s == pytest.approx(0.005)
+    assert r.gap_forward_backward_s == 0.0 and r.gap_backward_optimizer_s == 0.0
