@@ -28,6 +28,8 @@ from .explain import StepTimes, span
 #: The phases (``StepProbe.where``) whose samples hold each cause's time.
 CAUSE_PHASES = {"data": ("data_wait",), "compute": ("forward", "backward"), "optimizer": ("optimizer",),
                 "other": ("other",)}  # fmt: skip
+#: The note of a run without code samples (the text report leaves it out: nothing was asked).
+NO_SAMPLES = "no code samples in this run (code_sample_hz=0, or recorded before they existed)"
 MIN_SAMPLES = 10  # samples of the straggler in its cause's phases needed to say anything
 MIN_SHARE = 0.10  # a site is named when it holds at least this share of the excess
 MOST_SITES = 3
@@ -57,8 +59,7 @@ def locate(
     """Per straggler (``rank``, ``cause``, ``first_step``, ``last_step``, ``excess_ms``): ``{"code":
     [{"site", "leaf", "native", "share", "excess_ms"}, ...], "note": str | None}``."""
     if code is None or code.empty:
-        note = "no code samples in this run (code_sample_hz=0, or recorded before they existed)"
-        return [{"code": [], "note": note} for _ in stragglers]
+        return [{"code": [], "note": NO_SAMPLES} for _ in stragglers]
     by_rank = {int(r): g for r, g in code.groupby("rank", sort=True)}
     flagged = {int(_get(s, "rank")) for s in stragglers}
     roles = roles or {}

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING
 import bottleneck as bn
 import numpy as np
 
+from .intermittent import block_bar, block_noise, block_stats, intermittent_flags
+
 if TYPE_CHECKING:  # detect.py imports this module
     from .detect import DetectConfig
 
@@ -78,6 +80,8 @@ class Round1:
     noise: np.ndarray  # per rank: robust step-to-step jitter (NaN: fewer than two steps)
     center: np.ndarray  # per rank: median excess
     steps: np.ndarray  # per rank: steps recorded
+    block_jitter: np.ndarray  # per rank: jitter of its block means (``intermittent.py``)
+    block_level: np.ndarray  # per rank: the median of its block means
 
 
 @dataclass
@@ -99,6 +103,8 @@ class Scalars:
     skew: float = 0.0
     variance: float = 0.0
     bar: float = 0.0
+    block_noise: float = np.inf  # the intermittent test's (``intermittent.block_noise``)
+    ranks: int = 0  # ranks in the job
 
     def cap(self, cfg: DetectConfig) -> float:
         return cfg.clip * self.noise
@@ -127,7 +133,7 @@ def round1(state: BlockState) -> Round1:
     d = np.abs(np.diff(state.e, axis=0))
     noise = 1.4826 * rank_nanmedian(d) / np.sqrt(2.0)
     state.center = rank_nanmedian(state.e)
-    return Round1(noise, state.center, np.sum(np.isfinite(state.e), axis=0).astype(float))
+    return Round1(noise, state.center, np.sum(np.isfinite(state.e), axis=0).astype(float), *block_stats(state.e))
 
 
 def combine1(parts: list[Round1], cfg: DetectConfig) -> Scalars:
@@ -137,7 +143,9 @@ def combine1(parts: list[Round1], cfg: DetectConfig) -> Scalars:
     centers = np.concatenate([p.center for p in parts]) if parts else np.zeros(0)
     steps = np.concatenate([p.steps for p in parts]) if parts else np.zeros(0)
     spread = _offset_spread(centers, steps, noise) if len(centers) >= 8 else np.inf
-    return Scalars(noise=noise, spread=spread)
+    jitter = np.concatenate([p.block_jitter for p in parts]) if parts else np.zeros(0)
+    level = np.concatenate([p.block_level for p in parts]) if parts else np.zeros(0)
+    return Scalars(noise=noise, spread=spread, block_noise=block_noise(jitter, level), ranks=len(centers))
 
 
 def _offset_spread(centers: np.ndarray, steps: np.ndarray, noise: float) -> float:
@@ -275,7 +283,8 @@ class Carry:
 
 def round3(state: BlockState, sc: Scalars, cfg: DetectConfig) -> np.ndarray:
     """Steps x ranks bool flags of one block."""
-    return advance(state, sc, cfg, Carry.fresh(state.e.shape[1]), 0, len(state.e))
+    out = advance(state, sc, cfg, Carry.fresh(state.e.shape[1]), 0, len(state.e))
+    return out | intermittent_flags(state.e, state.costly, sc.block_noise, cfg, sc.ranks)
 
 
 def advance(
@@ -343,7 +352,9 @@ def advance(
 
 def thresholds(sc: Scalars, cfg: DetectConfig) -> dict[str, float]:
     _, _, hs = alarm_levels(sc, cfg)
+    bar = block_bar(sc.block_noise, cfg)
     return {"noise": sc.noise, "skew": sc.skew, "cusum_h": hs[0], "level_bar": sc.bar,
+            "block_bar": bar if np.isfinite(bar) else None,
             "min_slowdown": cfg.min_slowdown, "tolerance": cfg.tolerance}  # fmt: skip
 
 

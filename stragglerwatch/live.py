@@ -35,6 +35,7 @@ from .context import load_context
 from .detect import DetectConfig, StepMatrix, Verdict, detect, straggler, verdict
 from .eventlog import RunDirWarning, conform, read_log, run_files
 from .explain import StepTimes
+from .intermittent import intermittent_flags
 from .runinfo import read_rank_meta
 from .runmatrix import FLOAT64_COLUMNS, ID_COLUMNS, VALUE_COLUMNS, StepPlan, attempt_keys, attempt_list
 from .schema import GAP_COLUMNS, schema_compatible
@@ -367,7 +368,9 @@ class LiveRun:
         carry = self.checkpoints[at].copy() if at in self.checkpoints else cons.Carry.fresh(r)
         self.checkpoints = {k: c for k, c in self.checkpoints.items() if k <= at}
         d["flags"][at:n] = cons.advance(state, self.sc, cfg, carry, at, n, self.checkpoints)  # type: ignore[arg-type]
-        flags = d["flags"][:n]
+        # the intermittent test looks at whole blocks of the history: OR-ed here, not kept in the carry
+        sc = self.sc
+        flags = d["flags"][:n] | intermittent_flags(d["e"][:n], d["costly"][:n], sc.block_noise, cfg, sc.ranks)
         never = ~flags.any(axis=0)
         first = 0 if self.never is None or not np.array_equal(never, self.never) else min(lo, at)
         self.never = never

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .codeprofile import describe_site
+from .codeprofile import NO_SAMPLES, describe_site
 from .hangrender import flight_recorder_lines, hang_verdict_lines
 
 MAX_TABLE_ROWS = 16
@@ -34,7 +34,7 @@ def code_text(s: dict[str, Any]) -> str:
     sites = s.get("code") or []
     if not sites:
         note = s.get("code_note")
-        return f"not located ({note})" if note else ""
+        return f"not located ({note})" if note and note != NO_SAMPLES else ""
     total = sum(c["excess_ms"] for c in sites) / max(sum(c["share"] for c in sites), 1e-9)
     parts = [f"{c['share']:.0%} at {describe_site(c)}" for c in sites]
     return f"of its extra {total:.1f} ms/step, " + "; ".join(parts)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import bottleneck as bn
 import numpy as np
 
+from .intermittent import BLOCK
 from .schema import GAP_COLUMNS, GAP_TEXT, GAPS
 
 if TYPE_CHECKING:
@@ -227,19 +228,31 @@ def describe(series: RankSeries, start: int, end: int | None, cfg: DetectConfig)
     e = series.e
     stop = (end if end is not None else len(e)) - 1
     level = float(np.nanmedian(e[start : stop + 1]))
+    mean = _winsorised_mean(e[start : stop + 1])
+    intermittent = level < 0.5 * mean  # slow in one step of a few (``intermittent.py``): its onset and
+    if intermittent:  # end are where its mean over a few steps changes
+        e, level = _centred_mean(e, BLOCK), mean
     look = cfg.level_window + cfg.window + cfg.confirm  # the latest a flag can rise after the onset
     first = change_point(e, max(0, start - look), start, level, onset=True)
     last = None if end is None else change_point(e, max(first, end - look), end, level, onset=False)
     span = slice(first, (last if last is not None else stop) + 1)
-    slowdown = float(np.nanmedian(series.busy[span] / series.ref_h[span]))
+    if intermittent:  # its busy time over its peers' in all (its median step is not a slow one)
+        ok = np.isfinite(series.busy[span]) & np.isfinite(series.ref_h[span])
+        slowdown = float(np.sum(series.busy[span][ok]) / max(float(np.sum(series.ref_h[span][ok])), 1e-12))
+    else:
+        slowdown = float(np.nanmedian(series.busy[span] / series.ref_h[span]))
     # what-if: the step without this rank's excess is set by the reference or the busiest other rank
     lost = np.clip(series.busy[span] - np.maximum(series.ref_h[span], series.other_max[span]), 0.0, None)
     excess_ms, gap_ms = {}, {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # gaps of an older log: all NaN
+        # slow in one step of a few (an intermittent straggler): its median step is not a slow one,
+        # so each cause's excess is its mean over the span, winsorised (a stall inside moves it not)
+        excess = series.busy[span] - series.ref_h[span]
+        typical = np.nanmedian if np.nanmedian(excess) >= 0.5 * _winsorised_mean(excess) else _winsorised_mean
         for c, name in enumerate((*CAUSES, *GAPS)):
             diff = series.phases[c][span] - series.peer_phase[span, c]
-            value = round(float(np.nanmedian(diff)) * 1000.0, 3)
+            value = round(float(typical(diff)) * 1000.0, 3)
             if c < len(CAUSES):
                 excess_ms[name] = value
             elif value == value:  # a gap an older log did not record is left out
@@ -255,6 +268,24 @@ def describe(series: RankSeries, start: int, end: int | None, cfg: DetectConfig)
         "lost_seconds": float(np.nansum(lost)),
         "excess_ms": excess_ms,
     }
+
+
+def _centred_mean(e: np.ndarray, width: int) -> np.ndarray:
+    """The mean of the finite values of ``e`` over ``width`` steps centred on each step."""
+    ok = np.isfinite(e)
+    kernel = np.ones(width)
+    total = np.convolve(np.where(ok, e, 0.0), kernel, mode="same")
+    count = np.convolve(ok.astype(float), kernel, mode="same")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, total / count, np.nan)
+
+
+def _winsorised_mean(x: np.ndarray, upper: float = 90.0) -> float:
+    """Mean of the finite values with those above the ``upper`` percentile set to it (NaN: none)."""
+    x = x[np.isfinite(x)]
+    if not x.size:
+        return float("nan")
+    return float(np.mean(np.minimum(x, np.percentile(x, upper))))
 
 
 def rank_medians(values: dict[str, np.ndarray], columns: tuple[str, ...]) -> dict[str, np.ndarray]:

@@ -216,3 +216,45 @@ def test_bootstrap_residuals_errors_are_one_line(tmp_path: Path) -> None:
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="bootstrap residuals"):
         simulate_arrays(SimConfig(ranks=4, steps=10, bootstrap=str(tmp_path / "missing.csv")))
+
+
+def _with_data_wait(cfg: SimConfig, rank: int, every: int, wait_s: float, onset: int) -> pd.DataFrame:
+    """The simulation with ``rank`` waiting ``wait_s`` for data one step in ``every`` from ``onset`` on
+    (a loader whose ``every`` workers cannot keep up hands out their batches in turn), the peers
+    waiting that long in the all-reduce for it."""
+    arrays = simulate_arrays(cfg)
+    slow = np.arange(onset, cfg.steps)[(np.arange(onset, cfg.steps) - onset) % every == 0]
+    arrays["data_wait_s"][slow, rank] += wait_s
+    arrays["busy_s"][slow, rank] += wait_s
+    others = [r for r in range(cfg.ranks) if r != rank]
+    for col in ("comm_wait_s", "step_s"):
+        arrays[col][slow] += wait_s
+    arrays["comm_wait_s"][slow, rank] -= wait_s
+    arrays["allreduce_wait_s"][np.ix_(slow, others)] += wait_s
+    return to_frame(cfg, arrays)
+
+
+@pytest.mark.parametrize(("ranks", "every"), [(2, 2), (4, 4), (8, 8), (3, 3)])
+def test_a_rank_slow_one_step_in_a_few_is_a_data_straggler(ranks: int, every: int) -> None:
+    cfg = SimConfig(ranks=ranks, steps=120, seed=ranks, noise=0.05)
+    v = detect(_with_data_wait(cfg, 1, every, 0.2, onset=20))
+    assert [(s.rank, s.cause) for s in v.stragglers] == [(1, "data")], v.stragglers
+    (s,) = v.stragglers
+    assert 12 <= s.first_step <= 28 and s.last_step is None
+    assert s.excess_ms["data"] == pytest.approx(200.0 / every, rel=0.35), "its mean excess, not its median step's"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_healthy_two_and_three_rank_jobs_are_not_intermittent_stragglers(seed: int) -> None:
+    for ranks in (2, 3):
+        cfg = SimConfig(ranks=ranks, steps=400, seed=seed, noise=0.10, spike_prob=0.01, spike_mag=2.0)
+        assert detect(to_frame(cfg)).stragglers == []
+
+
+def test_spikes_a_few_blocks_apart_are_not_an_intermittent_straggler() -> None:
+    cfg = SimConfig(ranks=4, steps=200, seed=5, spike_prob=0.0)
+    arrays = simulate_arrays(cfg)
+    for step in (50, 75, 100, 125):  # a 5x step every 25 steps: three blocks apart, never three in a row
+        arrays["other_s"][step, 2] += 0.5
+    arrays["busy_s"] = sum(arrays[c] for c in ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "other_s"))
+    assert detect(to_frame(cfg, arrays)).stragglers == []
