@@ -46,6 +46,8 @@ MAX_DEPTH = 128
 _CALLS = {dis.opmap[n] for n in ("CALL", "CALL_FUNCTION", "CALL_FUNCTION_KW", "CALL_FUNCTION_EX", "CALL_METHOD",
                                  "CALL_KW", "PRECALL") if n in dis.opmap}  # fmt: skip
 _OURS = str(Path(__file__).resolve().parent) + os.sep
+#: Modules of ours that are a user's training script, not instrumentation: the demo job.
+_OUR_SCRIPTS = tuple(_OURS + name for name in ("demo_job.py", "demo.py"))
 _STDLIB = tuple({str(Path(p).resolve()) + os.sep for k in ("stdlib", "platstdlib") if (p := sysconfig.get_path(k))})
 _PACKAGES = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 
@@ -66,7 +68,7 @@ class Locator:
             return known
         name = code.co_filename
         path = os.path.abspath(name) if not name.startswith("<") else name
-        if path.startswith(_OURS):
+        if path.startswith(_OURS) and not path.startswith(_OUR_SCRIPTS):
             kind = 0
         elif name.startswith("<frozen") or path.startswith(self._libs) or any(p in path for p in _PACKAGES):
             kind = 1

@@ -35,6 +35,10 @@ def test_real_compute_straggler(compute_run: Path, capsys: pytest.CaptureFixture
     assert s["slowdown"] > 1.5 and s["lost_seconds"] > 0.3
     assert report["job_slowdown"] > 1.2
     assert [r["flagged"] for r in report["ranks"]] == [False, False, True, False]
+    # the code sampler (on by default) names the injection: the slow autograd function's sleeps
+    assert s["code"], s["code_note"]
+    site = s["code"][0]["site"]
+    assert "demo_job.py" in site and site.split()[-1] in ("forward", "backward"), s["code"]
 
 
 @pytest.mark.distributed
@@ -42,7 +46,10 @@ def test_real_data_straggler(data_run: Path, capsys: pytest.CaptureFixture[str])
     report = analyze_json(data_run, capsys)
     check_contract(report, 4)
     assert [(s["rank"], s["cause"]) for s in report["stragglers"]] == [(1, "data")]
-    assert abs(report["stragglers"][0]["first_step"] - 15) <= 10
+    (s,) = report["stragglers"]
+    assert abs(s["first_step"] - 15) <= 10
+    assert s["code"] and s["code"][0]["site"].endswith("__iter__"), s["code"]  # the slow loader's sleep
+    assert "demo_job.py" in s["code"][0]["site"] and s["code"][0]["native"]
 
 
 @pytest.mark.distributed
@@ -73,6 +80,8 @@ def test_text_and_html_reports(compute_run: Path, tmp_path: Path, capsys: pytest
     assert cli(["analyze", str(compute_run), "--format", "html", "--out", str(out)]) == 0
     page = out.read_text()
     assert page.startswith("<!DOCTYPE html>") and "rank 2 is" in page
+    assert "where in the code" in page and "demo_job.py" in page, "the straggler's code location"
+    assert "code: of its extra" in text and "demo_job.py" in text
     assert page.count("Plotly.newPlot") == 4, "heatmap, breakdown, busy band and the straggler's host context"
     assert "<script src=" not in page, "self-contained: plotly.js inlined"
 

@@ -265,3 +265,28 @@ def test_a_sync_collective_is_timed_on_the_stream_where_it_is_issued(one_rank_gr
     assert later["collective_wait_s"].between(0.028, 0.045).all(), later["collective_wait_s"].tolist()
     assert (later["data_wait_s"] < 0.01).all(), "the collective's time is not the data gap's"
     assert set(df["timing"]) == {"cuda"}
+
+
+@pytest.mark.parametrize(("gpu_ms", "fetch_ms", "idle_ms"), [(80, 30, 0), (5, 40, 35)])
+def test_a_marked_fetch_is_what_the_gpu_idled_for_it(one_rank_group, tmp_path: Path, monkeypatch, gpu_ms: float,
+                                                     fetch_ms: float, idle_ms: float) -> None:  # fmt: skip
+    """A fetch between forward and backward (watch.data): on the device, data wait is the time the
+    GPU idled for it; while queued work kept the GPU busy, the host's fetch cost nothing."""
+    gpu = install(monkeypatch)
+    model = Spinning(gpu, ms=gpu_ms)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    watch = watched(model, tmp_path / "run")
+    fetch = watch.data(lambda: time.sleep(fetch_ms * MS))
+    x = torch.randn(4, 8)
+    for _ in range(4):
+        loss = model(x).pow(2).mean()
+        fetch()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    wait_for(lambda: written(watch) == 4, 5, "the GPU to finish")
+    watch.close()
+    df = stragglerwatch.load_run(tmp_path / "run")
+    check_anatomy(df)
+    later = df[df["step"] >= 1]
+    assert later["data_wait_s"].between((idle_ms - 10) * MS, (idle_ms + 12) * MS).all(), later["data_wait_s"]

@@ -119,6 +119,7 @@ def test_finished_run_opened_later(browser, compute_run: Path) -> None:
         browser.get(server.url)
         wait_for(lambda: "rank 2 is" in text_of(browser, BANNER), 30, "the banner")
         assert "cause: compute" in text_of(browser, BANNER)
+        assert "code: of its extra" in text_of(browser, BANNER) and "demo_job.py" in text_of(browser, BANNER)
         assert console_errors(browser) == []
     finally:
         server.stop()
