@@ -162,12 +162,15 @@ def test_real_prometheus_scrapes_a_straggler_job(live_prometheus) -> None:
         ranked = prom_api(base, f"sort_desc(stragglerwatch:busy_ratio:20s{{{sel}}})")
         assert ranked[0]["metric"]["rank"] == "2" and float(ranked[0]["value"][1]) > 1.5, mode
         assert alerts[run_id] == ["2"], f"{mode}: StragglerRank fires for the straggler and only it"
-        # where in the code each rank's time goes, label-limited: at most 5 locations a rank
-        sites = prom_api(base, f"stragglerwatch_code_site_share{{{sel}}}")
-        per_rank = {r: [x for x in sites if x["metric"]["rank"] == r] for r in ("0", "1", "2", "3")}
-        assert all(1 <= len(v) <= 5 for v in per_rank.values()), f"{mode}: {per_rank}"
-        slow = [x["metric"] for x in per_rank["2"] if x["metric"]["phase"] in ("forward", "backward")]
-        assert any("demo_job.py" in m["site"] for m in slow), f"{mode}: rank 2's slow layer: {per_rank['2']}"
+        if mode == "full":  # the real job (the lean run's exporters are synthetic: no code sampler)
+            # where in the code each rank's time goes, label-limited: at most 5 locations a rank
+            sites = prom_api(base, f"stragglerwatch_code_site_share{{{sel}}}")
+            per_rank = {r: [x for x in sites if x["metric"]["rank"] == r] for r in ("0", "1", "2", "3")}
+            assert all(1 <= len(v) <= 5 for v in per_rank.values()), per_rank
+            # over the last minutes (the latest window may hold rank 2's injected stall alone)
+            seen = prom_api(base, f'last_over_time(stragglerwatch_code_site_share{{{sel}, rank="2", '
+                                  'phase=~"forward|backward"}[10m])')  # fmt: skip
+            assert any("demo_job.py" in x["metric"]["site"] for x in seen), f"rank 2's slow layer: {seen}"
         # the same detection core, fed from Prometheus instead of the run dir
         wait_for(lambda r=run_id: len(frame_from_prometheus(base, r, minutes=2, window="5s", step_seconds=1)) >= 4 * 24,
                  60, "24 s of data")  # fmt: skip
