@@ -25,7 +25,7 @@ import pandas as pd
 
 from . import runmatrix
 from .codelog import load_code
-from .codeprofile import locate
+from .codeprofile import locate, needed_ranks
 from .context import load_context
 from .detect import MATRIX_COLUMNS, DetectConfig, StepMatrix, Verdict, detect, matrix_from_columns
 from .eventlog import run_files, world_size
@@ -224,8 +224,9 @@ def finish(
     run_meta = read_run_meta(path)
     world_size(path, run_meta, set(plan.ranks.tolist()))  # warns of ranks that recorded nothing
     context = load_context(path) if context is None else context
-    report = build_report(figures, verdict, run_meta, rank_meta, context if len(context) else None, times,
-                          load_code(path))  # fmt: skip
+    roles = {r: m.get("role") for r, m in rank_meta.items()}
+    code = load_code(path, needed_ranks(verdict.stragglers, plan.ranks.tolist(), roles)) if verdict.stragglers else None
+    report = build_report(figures, verdict, run_meta, rank_meta, context if len(context) else None, times, code)
     report.run_dir = str(path)
     events, bad = read_events(path)
     report.hangs = hangs_from_events(events, report.world_size or 0, last)

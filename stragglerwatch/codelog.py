@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +76,17 @@ def _read(path: Path) -> pa.Table | None:
     return read_segment(path, _problem, read_stream)
 
 
-def load_code(run_dir: str | os.PathLike[str]) -> pd.DataFrame:
-    """Every rank's code-sample rows of a run dir (:data:`COLUMNS`); empty (with those columns)
-    when the run has none (an older run, or sampling was off)."""
+def load_code(run_dir: str | os.PathLike[str], ranks: Iterable[int] | None = None) -> pd.DataFrame:
+    """The code-sample rows of a run dir (:data:`COLUMNS`), of every rank or of ``ranks`` (only
+    their files are read); empty (with those columns) when there are none (an older run, or
+    sampling was off)."""
     path = Path(run_dir)
+    wanted = None if ranks is None else {int(r) for r in ranks}
     tables = []
     for f in log_files(path, CODE_NAME) if path.is_dir() else []:
+        match = CODE_NAME.match(f.name)
+        if wanted is not None and (match is None or int(match.group(1)) not in wanted):
+            continue
         table = _read(f)
         if table is not None and table.num_rows:
             tables.append(table.select(list(COLUMNS)))

@@ -37,6 +37,23 @@ MOST_SITES = 3
 MIN_EXPLAINED = 0.25
 
 
+#: Unflagged peers of a role whose code samples a straggler is compared with, at most.
+MOST_PEERS = 16
+
+
+def needed_ranks(stragglers: Sequence[Any], ranks: Sequence[int], roles: Mapping[int, str | None]) -> list[int]:
+    """The ranks whose code samples :func:`locate` needs: the stragglers, and of each straggler's
+    role up to :data:`MOST_PEERS` unflagged peers spread over the role's ranks (a run of thousands
+    of ranks is not read whole for a median of peers)."""
+    flagged = {int(_get(s, "rank")) for s in stragglers}
+    out = set(flagged)
+    for role in {roles.get(r) for r in flagged}:
+        peers = [r for r in ranks if roles.get(r) == role and r not in flagged]
+        step = max(1, len(peers) // MOST_PEERS)
+        out.update(peers[::step][:MOST_PEERS])
+    return sorted(out)
+
+
 def _get(s: Any, key: str) -> Any:
     return s[key] if isinstance(s, Mapping) else getattr(s, key)
 

@@ -234,3 +234,19 @@ def test_spread_excess_and_missing_samples_are_said() -> None:
               "ideal_seconds": 9.0, "lost_seconds": 1.0, "lost_gpu_seconds": 4.0}  # fmt: skip
     assert any(line.strip().startswith("code: not located (no code location stands out") for line in
                verdict_lines(report))  # fmt: skip
+
+
+def test_a_large_run_reads_the_stragglers_and_a_few_peers(tmp_path: Path) -> None:
+    from stragglerwatch.codeprofile import MOST_PEERS, needed_ranks
+
+    roles = {r: ("a" if r < 600 else "b") for r in range(1000)}
+    wanted = needed_ranks([{"rank": 7}, {"rank": 9}], list(range(1000)), roles)
+    assert {7, 9} <= set(wanted) and len(wanted) <= 2 + MOST_PEERS and all(roles[r] == "a" for r in wanted)
+    assert max(wanted) > 300, "the peers spread over the role, not the first few"
+    for rank in (0, 1, 2):
+        sampler = CodeSampler(tmp_path, rank, lambda: (threading.get_ident(), 0, "forward"), hz=100, window_s=10)
+        for _ in range(3):
+            sampler.sample_once()
+        sampler.close()
+    assert set(load_code(tmp_path, [0, 2])["rank"]) == {0, 2}
+    assert set(load_code(tmp_path)["rank"]) == {0, 1, 2}
