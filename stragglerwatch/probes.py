@@ -293,7 +293,7 @@ class StepProbe:
             if not self.enabled or threading.get_ident() != self._tid:
                 return None
             m = self._cur or self._begin(t0)  # the first step starts here
-            step, phase, _ = self.where
+            phase = self.where[1]  # where the thread goes back to when the fetch is done
             self.where = (self._next_step, "data_wait", t0)
             return (m, self._at(t0, "data_wait"), phase)
         except Exception:

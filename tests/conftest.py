@@ -5,6 +5,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,6 +106,28 @@ def make_run(tmp_path: Path):
         return run_dir
 
     return make
+
+
+def analyze_json(run: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
+    """``stragglerwatch analyze RUN --format json``'s report, through the CLI."""
+    from stragglerwatch.cli import main as cli
+
+    assert cli(["analyze", str(run), "--format", "json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def medians(df: Any, from_step: int = 12) -> Any:
+    """Per rank, the median of every column from ``from_step`` on (after an injection at step 10)."""
+    return df[df["step"] >= from_step].groupby("rank").median(numeric_only=True)
+
+
+def only_straggler(r: dict, rank: int, cause: str) -> dict:
+    """The report's one straggler, which must be ``rank`` by ``cause``, with its onset near step 10."""
+    assert r["busy_unavailable"] == []
+    assert [(s["rank"], s["cause"]) for s in r["stragglers"]] == [(rank, cause)], r["stragglers"]
+    (s,) = r["stragglers"]
+    assert 8 <= s["first_step"] <= 14, "onset near the injection at step 10"
+    return s
 
 
 def read_json(path: Path) -> dict:

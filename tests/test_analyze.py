@@ -6,14 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, torchrun
+from conftest import EXAMPLE, analyze_json, torchrun
 
 from stragglerwatch.cli import main as cli
-
-
-def analyze_json(run: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
-    assert cli(["analyze", str(run), "--format", "json", *extra]) == 0
-    return json.loads(capsys.readouterr().out)
 
 
 def check_contract(report: dict, world: int) -> None:

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import ROOT, check_anatomy, torchrun
+from conftest import ROOT, analyze_json, check_anatomy, medians, only_straggler, torchrun
 
 import stragglerwatch
-from stragglerwatch.cli import main as cli
 from stragglerwatch.watchdog import read_events
 
 pytestmark = pytest.mark.distributed
@@ -29,27 +28,10 @@ def run_loop(tmp_path: Path, nproc: int, *args: str) -> tuple[Path, pd.DataFrame
     return run, df
 
 
-def report(run: Path, capsys: pytest.CaptureFixture[str]) -> dict:
-    assert cli(["analyze", str(run), "--format", "json"]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
-def medians(df: pd.DataFrame, from_step: int = 12) -> pd.DataFrame:
-    return df[df["step"] >= from_step].groupby("rank").median(numeric_only=True)
-
-
-def only_straggler(r: dict, rank: int, cause: str) -> dict:
-    assert r["busy_unavailable"] == []
-    assert [(s["rank"], s["cause"]) for s in r["stragglers"]] == [(rank, cause)], r["stragglers"]
-    (s,) = r["stragglers"]
-    assert 8 <= s["first_step"] <= 14, "onset near the injection at step 10"
-    return s
-
-
 def test_buffer_broadcast_does_not_hide_a_data_straggler(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """BatchNorm buffers under default DDP: the peers wait for the late rank in forward's broadcast."""
     run, df = run_loop(tmp_path, 4, "--bn", "--slow-rank", "1", "--cause", "data")
-    only_straggler(report(run, capsys), 1, "data")
+    only_straggler(analyze_json(run, capsys), 1, "data")
     med = medians(df)
     assert med.loc[1, "data_wait_s"] - med.drop(index=1)["data_wait_s"].max() > 15 * MS
     # the broadcast's wait is communication, not forward: nobody's forward holds the 20 ms
@@ -60,7 +42,7 @@ def test_buffer_broadcast_does_not_hide_a_data_straggler(tmp_path: Path, capsys:
 def test_sync_stats_collectives_in_forward_and_backward(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A layer all-reducing its statistics in forward and backward, as SyncBatchNorm does."""
     run, df = run_loop(tmp_path, 4, "--sync-stats", "--slow-rank", "2", "--cause", "compute")
-    only_straggler(report(run, capsys), 2, "compute")
+    only_straggler(analyze_json(run, capsys), 2, "compute")
     med = medians(df)
     peers = med.drop(index=2)
     assert (med["collective_wait_s"] > 0).all()
@@ -72,7 +54,7 @@ def test_loss_all_reduce_and_two_optimizers(tmp_path: Path, capsys: pytest.Captu
     """Two optimizers step each iteration and the loop all-reduces its loss: a slow second optimizer."""
     run, df = run_loop(tmp_path, 2, "--two-optimizers", "--log-loss", "--slow-rank", "1", "--cause", "optimizer")
     assert df.groupby("rank")["step"].agg(list).map(lambda s: s == list(range(60))).all(), "one step per iteration"
-    only_straggler(report(run, capsys), 1, "optimizer")
+    only_straggler(analyze_json(run, capsys), 1, "optimizer")
     med = medians(df)
     assert med.loc[1, "optimizer_s"] - med.loc[0, "optimizer_s"] > 15 * MS
     assert med.loc[0, "collective_wait_s"] > 12 * MS, "rank 0 waits for it in the loss all-reduce"
@@ -83,7 +65,7 @@ def test_nested_outputs_and_closure(tmp_path: Path, capsys: pytest.CaptureFixtur
     """The model returns a dataclass of a dict of a list; the loop steps with a closure."""
     run, df = run_loop(tmp_path, 2, "--nested", "--closure", "--slow-rank", "0", "--cause", "compute")
     assert (df["backward_s"] > 0).all() and (df["micro_batches"] == 1).all()
-    only_straggler(report(run, capsys), 0, "compute")
+    only_straggler(analyze_json(run, capsys), 0, "compute")
     med = medians(df)
     compute = med["forward_s"] + med["backward_s"]
     assert compute.loc[0] - compute.loc[1] > 15 * MS
@@ -103,7 +85,7 @@ def test_evaluation_on_one_rank_is_not_a_straggler(tmp_path: Path, capsys: pytes
     """Every 15 steps rank 0 alone evaluates (through model.module, under no_grad); the others wait in a barrier."""
     args = ("--bn", "--eval-every", "15", "--eval-rank0", "--eval-batches", "150", "--hidden", "512", "--batch", "64")
     run, df = run_loop(tmp_path, 4, *args)
-    r = report(run, capsys)
+    r = analyze_json(run, capsys)
     assert r["stragglers"] == [] and r["busy_unavailable"] == []
     evals = df[df["step"].isin([15, 30, 45])].set_index(["step", "rank"])
     assert (evals.xs(0, level="rank")["eval_s"] > 50 * MS).all(), "rank 0's evaluation is eval"
@@ -118,7 +100,7 @@ def test_stall_in_model_with_buffers(tmp_path: Path, capsys: pytest.CaptureFixtu
     args = ("--bn", "--steps", "25", "--stall-rank", "1", "--stall-at", "10", "--stall-seconds", "6",
             "--watchdog-timeout", "2")  # fmt: skip
     run, _ = run_loop(tmp_path, 4, *args)
-    (hang,) = report(run, capsys)["hangs"]
+    (hang,) = analyze_json(run, capsys)["hangs"]
     assert hang["culprit_ranks"] == [1] and hang["victim_ranks"] == [0, 2, 3] and hang["recovered"]
     assert hang["basis"] == "collective counts" and not hang["mismatch_suspected"]
     diagnoses = [e for e in read_events(run)[0] if e["kind"] == "diagnosis"]
@@ -132,7 +114,7 @@ def test_synchronous_collectives_without_work_as_on_nccl(tmp_path: Path, capsys:
     a data straggler) on plain gloo and on gloo made to behave so: the same verdict, the same waits."""
     flags = ("--sync-stats", "--log-loss", "--slow-rank", "1", "--cause", "data", "--steps", "40")
     plain_run, plain = run_loop(tmp_path / "plain", 3, *flags)
-    only_straggler(report(plain_run, capsys), 1, "data")
+    only_straggler(analyze_json(plain_run, capsys), 1, "data")
     a = medians(plain)
     assert (a.drop(index=1)["collective_wait_s"] > 12 * MS).all(), "the peers wait for rank 1's data"
     # beneath our taps, as NCCL's C++ is; and above them, as a tool wrapping the process group after us
@@ -141,7 +123,7 @@ def test_synchronous_collectives_without_work_as_on_nccl(tmp_path: Path, capsys:
         for rank in range(3):
             counts = json.loads((like_run / f"nccl-like-{rank}.json").read_text())
             assert counts["finished"] >= 3 * 40, f"{flag} rank {rank}: finished in the call, no Work: {counts}"
-        only_straggler(report(like_run, capsys), 1, "data")
+        only_straggler(analyze_json(like_run, capsys), 1, "data")
         b = medians(like)
         diff = (a["collective_wait_s"] - b["collective_wait_s"]).abs()
         assert (diff < 4 * MS).all(), f"collective_wait_s (ms), plain:\n{a['collective_wait_s'] * 1e3}\n{flag}:\n" \
@@ -155,6 +137,6 @@ def test_cuda_event_timing_across_ranks(tmp_path: Path, capsys: pytest.CaptureFi
     run, df = run_loop(tmp_path, 3, "--sync-stats", "--log-loss", "--slow-rank", "2", "--cause", "data",
                        "--steps", "40", "--nccl-like", "--fake-cuda")  # fmt: skip
     assert set(df["timing"]) == {"cuda"} and len(df) == 3 * 40
-    only_straggler(report(run, capsys), 2, "data")
+    only_straggler(analyze_json(run, capsys), 2, "data")
     med = medians(df)
     assert (med.drop(index=2)["collective_wait_s"] > 12 * MS).all()

@@ -20,15 +20,13 @@ exactly that rank, the cause, and (``where``/``code``, the code sampler at 50 Hz
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import ROOT, check_anatomy, torchrun
+from conftest import ROOT, analyze_json, check_anatomy, medians, only_straggler, torchrun
 
 import stragglerwatch
-from stragglerwatch.cli import main as cli
 
 pytestmark = pytest.mark.distributed
 REAL_LOOPS = ROOT / "tests" / "workers" / "real_loops.py"
@@ -48,23 +46,6 @@ def run_shape(tmp_path: Path, nproc: int, shape: str, *args: str, steps: int = S
     assert per_rank.map(lambda s: s == list(range(steps))).all(), "one step per optimizer step, none merged or lost"
     check_anatomy(df)
     return run, df
-
-
-def report(run: Path, capsys: pytest.CaptureFixture[str]) -> dict:
-    assert cli(["analyze", str(run), "--format", "json"]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
-def medians(df: pd.DataFrame, from_step: int = 12) -> pd.DataFrame:
-    return df[df["step"] >= from_step].groupby("rank").median(numeric_only=True)
-
-
-def only_straggler(r: dict, rank: int, cause: str) -> dict:
-    assert r["busy_unavailable"] == []
-    assert [(s["rank"], s["cause"]) for s in r["stragglers"]] == [(rank, cause)], r["stragglers"]
-    (s,) = r["stragglers"]
-    assert 8 <= s["first_step"] <= 14, "onset near the injection at step 10"
-    return s
 
 
 def located(s: dict, function: str, where: str | None = None) -> None:
@@ -88,7 +69,7 @@ def test_nanogpt_marked_get_batch(tmp_path: Path, capsys: pytest.CaptureFixture[
     backward is data."""
     run, df = run_shape(tmp_path, 2, "nanogpt", "--mark", "--slow-rank", "1")
     assert (df["micro_batches"] == 2).all(), "two micro-steps a step, without no_sync()"
-    s = only_straggler(report(run, capsys), 1, "data")
+    s = only_straggler(analyze_json(run, capsys), 1, "data")
     med = medians(df)
     assert excess(med, 1, "data_wait_s") > 12 * MS
     assert med["other_s"].max() < 8 * MS, "the marked fetch between forward and backward is not other"
@@ -100,7 +81,7 @@ def test_nanogpt_unmarked_get_batch(tmp_path: Path, capsys: pytest.CaptureFixtur
     and the code names ``get_batch``."""
     run, df = run_shape(tmp_path, 2, "nanogpt", "--slow-rank", "1")
     assert (df["micro_batches"] == 2).all()
-    s = only_straggler(report(run, capsys), 1, "other")
+    s = only_straggler(analyze_json(run, capsys), 1, "other")
     assert excess(medians(df), 1, "other_s") > 12 * MS
     located(s, "get_batch", where="between forward and backward")
 
@@ -109,7 +90,7 @@ def test_accumulation_by_toggling_grad_sync(tmp_path: Path, capsys: pytest.Captu
     """A DataLoader loop accumulating two micro-batches by toggling ``require_backward_grad_sync``; a slow layer."""
     run, df = run_shape(tmp_path, 2, "accum_toggle", "--slow-rank", "0")
     assert (df["micro_batches"] == 2).all()
-    s = only_straggler(report(run, capsys), 0, "compute")
+    s = only_straggler(analyze_json(run, capsys), 0, "compute")
     assert excess(medians(df), 0, "forward_s") > 12 * MS
     located(s, "slow_layer")
 
@@ -119,7 +100,7 @@ def test_eval_and_checkpoint_on_rank0(tmp_path: Path, capsys: pytest.CaptureFixt
     rank 1 is slow: only rank 1 is flagged."""
     run, df = run_shape(tmp_path, 3, "eval_ckpt", "--slow-rank", "1", "--eval-every", "10")
     assert (tmp_path / "work" / "ckpt.pt").is_file()
-    s = only_straggler(report(run, capsys), 1, "compute")
+    s = only_straggler(analyze_json(run, capsys), 1, "compute")
     med = medians(df)
     assert excess(med, 1, "forward_s") > 12 * MS
     evals = df[df["step"].isin([10, 20, 30, 40])].set_index(["step", "rank"])["eval_s"]
@@ -132,7 +113,7 @@ def test_eval_and_checkpoint_on_rank0(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_eval_and_checkpoint_on_rank0_healthy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The same job with nobody slowed: rank 0's evaluation and checkpoints do not make it a straggler."""
     run, _ = run_shape(tmp_path, 3, "eval_ckpt", "--eval-every", "10")
-    r = report(run, capsys)
+    r = analyze_json(run, capsys)
     assert r["stragglers"] == [] and r["busy_unavailable"] == []
 
 
@@ -140,7 +121,7 @@ def test_autocast_and_disabled_grad_scaler(tmp_path: Path, capsys: pytest.Captur
     """bf16 autocast on CPU with a disabled GradScaler (``scaler.step`` calls ``optimizer.step``)."""
     run, df = run_shape(tmp_path, 2, "amp_cpu", "--slow-rank", "1")
     assert (df["micro_batches"] == 1).all()
-    s = only_straggler(report(run, capsys), 1, "compute")
+    s = only_straggler(analyze_json(run, capsys), 1, "compute")
     assert excess(medians(df), 1, "forward_s") > 12 * MS
     located(s, "slow_layer")
 
@@ -148,7 +129,7 @@ def test_autocast_and_disabled_grad_scaler(tmp_path: Path, capsys: pytest.Captur
 def test_streaming_iterable_dataset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """An IterableDataset waiting for each streamed sample in ``__iter__`` (``num_workers=0``)."""
     run, df = run_shape(tmp_path, 2, "streaming", "--slow-rank", "0")
-    s = only_straggler(report(run, capsys), 0, "data")
+    s = only_straggler(analyze_json(run, capsys), 0, "data")
     assert excess(medians(df), 0, "data_wait_s") > 12 * MS
     located(s, "__iter__")
 
@@ -162,5 +143,5 @@ def test_dataloader_workers_cannot_keep_up(tmp_path: Path, capsys: pytest.Captur
     run, df = run_shape(tmp_path, 2, "workers", "--slow-rank", "1", steps=80)
     slow = df[(df["rank"] == 1) & (df["step"] >= 14)]["data_wait_s"]
     assert slow.mean() - df[df["rank"] == 0]["data_wait_s"].mean() > 12 * MS, "rank 1 waits for its workers"
-    s = only_straggler(report(run, capsys), 1, "data")
+    s = only_straggler(analyze_json(run, capsys), 1, "data")
     located(s, "workers")  # the loop's `for x, y in loader`: the wait is in the loader's __next__

@@ -254,13 +254,23 @@ def injected(args: argparse.Namespace, rank: int, micro_batches: int = 1) -> Slo
     return SlowLayer(delay, args.from_step * micro_batches)
 
 
+def sharded(args: argparse.Namespace, batch_size: int, micro_batches: int = 1) -> tuple[DistributedSampler, DataLoader]:
+    """This rank's share of a synthetic training set of ``--steps`` steps: the sampler and the loader."""
+    dataset = synthetic(args.steps * micro_batches * batch_size * dist.get_world_size(), seed=0)
+    sampler = DistributedSampler(dataset)
+    return sampler, DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def watched(module: nn.Module, args: argparse.Namespace) -> tuple[DDP, stragglerwatch.Watch]:
+    """The module wrapped in DDP and attached right after, as the README says."""
+    model = DDP(module)
+    return model, stragglerwatch.attach(model, args.run_dir, **settings(args))
+
+
 def accum_toggle(args: argparse.Namespace, rank: int) -> None:
     accumulation_steps, batch_size = 2, 32
-    dataset = synthetic(args.steps * accumulation_steps * batch_size * dist.get_world_size(), seed=0)
-    sampler = DistributedSampler(dataset)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-    model = DDP(MLP(injected(args, rank, accumulation_steps)))
-    watch = stragglerwatch.attach(model, args.run_dir, **settings(args))
+    sampler, loader = sharded(args, batch_size, accumulation_steps)
+    model, watch = watched(MLP(injected(args, rank, accumulation_steps)), args)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     criterion = nn.CrossEntropyLoss()
     sampler.set_epoch(0)
@@ -279,15 +289,11 @@ def accum_toggle(args: argparse.Namespace, rank: int) -> None:
 
 
 def eval_ckpt(args: argparse.Namespace, rank: int) -> None:
-    batch_size = 32
-    train = synthetic(args.steps * batch_size * dist.get_world_size(), seed=0)
-    sampler = DistributedSampler(train)
-    train_loader = DataLoader(train, batch_size=batch_size, sampler=sampler)
+    sampler, train_loader = sharded(args, batch_size=32)
     val_loader = DataLoader(synthetic(4 * 64, seed=1), batch_size=64)
     ckpt_dir = work_dir(args)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    model = DDP(MLP(injected(args, rank)))
-    watch = stragglerwatch.attach(model, args.run_dir, **settings(args))
+    model, watch = watched(MLP(injected(args, rank)), args)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     criterion = nn.CrossEntropyLoss()
     sampler.set_epoch(0)
@@ -310,12 +316,8 @@ def eval_ckpt(args: argparse.Namespace, rank: int) -> None:
 
 
 def amp_cpu(args: argparse.Namespace, rank: int) -> None:
-    batch_size = 32
-    dataset = synthetic(args.steps * batch_size * dist.get_world_size(), seed=0)
-    sampler = DistributedSampler(dataset)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-    model = DDP(MLP(injected(args, rank)))
-    watch = stragglerwatch.attach(model, args.run_dir, **settings(args))
+    sampler, loader = sharded(args, batch_size=32)
+    model, watch = watched(MLP(injected(args, rank)), args)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = nn.CrossEntropyLoss()
     scaler = torch.amp.GradScaler("cpu", enabled=False)  # fp16 only; bf16 needs no loss scaling
@@ -357,8 +359,7 @@ def streaming(args: argparse.Namespace, rank: int) -> None:
     stream = TokenStream(args.steps * batch_size * world, rank, world, latency_s, slow_latency_s,
                          args.from_step * batch_size)  # fmt: skip
     loader = DataLoader(stream, batch_size=batch_size, num_workers=0)
-    model = DDP(MLP())
-    watch = stragglerwatch.attach(model, args.run_dir, **settings(args))
+    model, watch = watched(MLP(), args)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     criterion = nn.CrossEntropyLoss()
     for x, y in loader:
@@ -398,8 +399,7 @@ def workers(args: argparse.Namespace, rank: int) -> None:
                           args.from_step * batch_size // num_workers)  # fmt: skip
     sampler = DistributedSampler(dataset)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers)
-    model = DDP(MLP())
-    watch = stragglerwatch.attach(model, args.run_dir, **settings(args))
+    model, watch = watched(MLP(), args)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     criterion = nn.CrossEntropyLoss()
     sampler.set_epoch(0)
