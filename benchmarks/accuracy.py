@@ -37,8 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from stragglerwatch.detect import DetectConfig, Straggler, detect
-from stragglerwatch.simulate import CAUSE_PHASES, Injection, SimConfig, simulate_arrays, to_frame
+from stragglerwatch.analysis.detect import Straggler, detect
+from stragglerwatch.analysis.thresholds import DetectConfig
+from stragglerwatch.record.simulate import CAUSE_PHASES, Injection, SimConfig, simulate_arrays, to_frame
 
 BANDS = ((0.05, 0.10), (0.10, 0.20), (0.20, 0.501))
 BASE = {"noise": 0.03, "spike_prob": 0.005, "spike_mag": 1.0}

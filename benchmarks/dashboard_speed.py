@@ -25,12 +25,12 @@ from pathlib import Path
 import plotly.io as pio
 from plotly.utils import PlotlyJSONEncoder
 
-from stragglerwatch.analysis import Analysis, RankFigures, analyze_run, build_report
-from stragglerwatch.dashboard import Snapshot
-from stragglerwatch.dashboard.app import render
-from stragglerwatch.dashboard.sources import RunDirSource
-from stragglerwatch.detect import detect, to_matrix
-from stragglerwatch.simulate import GrowingRun, Injection, SimConfig, to_frame
+from stragglerwatch.analysis.detect import detect, to_matrix
+from stragglerwatch.analysis.report import Analysis, RankFigures, analyze_run, build_report
+from stragglerwatch.presentation.dashboard import Snapshot
+from stragglerwatch.presentation.dashboard.app import render
+from stragglerwatch.presentation.dashboard.sources import RunDirSource
+from stragglerwatch.record.simulate import GrowingRun, Injection, SimConfig, to_frame
 
 
 def to_json(out: dict) -> int:

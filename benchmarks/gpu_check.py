@@ -789,7 +789,7 @@ def w_fsdp2_host_cost(ctx: Ctx) -> dict[str, Any]:
 
 def w_gpu_context(ctx: Ctx) -> dict[str, Any]:
     """gpu_context: a rank's NVML context samples, when the bindings are installed."""
-    from stragglerwatch.gpuctx import cuda_uuid, load_nvml
+    from stragglerwatch.runtime.gpuctx import cuda_uuid, load_nvml
 
     if load_nvml() is None:
         return {"nvml": False}
@@ -1106,13 +1106,13 @@ def c_phase_accuracy(jobs: Jobs) -> Verdict:
 
 
 def read_events(run_dir: str) -> list[dict[str, Any]]:
-    from stragglerwatch.watchdog import read_events as read
+    from stragglerwatch.record.events import read_events as read
 
     return read(Path(run_dir))[0]
 
 
 def c_straggler_and_stall(jobs: Jobs) -> Verdict:
-    from stragglerwatch.analysis import analyze_run
+    from stragglerwatch.analysis.report import analyze_run
 
     v = Verdict()
     world, backend, own = jobs.multi()
@@ -1233,7 +1233,7 @@ def c_host_cost_fsdp2(jobs: Jobs) -> Verdict:
 
 
 def c_gpu_context(jobs: Jobs) -> Verdict:
-    from stragglerwatch.gpuctx import decode_reasons
+    from stragglerwatch.record.context import decode_reasons
 
     v = Verdict()
     r = jobs.run("gpu_context")[0]

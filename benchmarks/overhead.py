@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import stragglerwatch
-from stragglerwatch.probes import StepProbe
+from stragglerwatch.runtime.probes import StepProbe
 
 BUCKETS = (1, 50, 100, 200)
 VARIANTS = ("plain", "attached", "bucket_timings")

@@ -18,8 +18,8 @@ import sys
 import numpy as np
 import pandas as pd
 
-from stragglerwatch.detect import to_matrix
-from stragglerwatch.eventlog import RunDirError, load_run
+from stragglerwatch.analysis.detect import to_matrix
+from stragglerwatch.record.steplog import RunDirError, load_run
 
 
 def residuals(run_dir: str) -> pd.DataFrame:

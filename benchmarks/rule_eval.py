@@ -44,12 +44,12 @@ from typing import Any
 
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from stragglerwatch.ctxmetrics import ContextCollector
-from stragglerwatch.exporter import Exporter, RankCollector, RankMetrics
-from stragglerwatch.promrules import installed_rules
-from stragglerwatch.runinfo import RunInfo
-from stragglerwatch.sampler import ContextSampler
-from stragglerwatch.schema import StepRecord
+from stragglerwatch.presentation.promrules import installed_rules
+from stragglerwatch.record.rundir import RunInfo
+from stragglerwatch.record.schema import StepRecord
+from stragglerwatch.runtime.ctxmetrics import ContextCollector
+from stragglerwatch.runtime.exporter import Exporter, RankCollector, RankMetrics
+from stragglerwatch.runtime.sampler import ContextSampler
 
 #: Seconds per step in each phase of a healthy rank (a 1 s step); a straggler's compute is 20% slower
 #: and it waits that much less in the all-reduce.

@@ -49,7 +49,7 @@ def measure(cmd: list[str]) -> tuple[float, float, str]:
 
 RAY_RUN = """
 import json, sys, time
-from stragglerwatch.rayengine import analyze_on_ray
+from stragglerwatch.analysis.rayengine import analyze_on_ray
 t0 = time.perf_counter()
 say = lambda stage: print(f"  {time.perf_counter() - t0:6.1f} s  {stage}", file=sys.stderr)
 print(json.dumps(analyze_on_ray(sys.argv[1], progress=say).report))

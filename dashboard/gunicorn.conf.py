@@ -8,7 +8,7 @@ needs them), never in the master: a thread does not survive a fork.
 
 import sys
 
-from stragglerwatch.dashboard.service import ConfigError, ServiceConfig
+from stragglerwatch.presentation.dashboard.service import ConfigError, ServiceConfig
 
 try:
     _config = ServiceConfig.from_env()

@@ -10,12 +10,14 @@ package does not import torch; ``attach`` does (extra ``train``: ``pip install "
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from stragglerwatch import _compat
+from stragglerwatch._version import __version__
+from stragglerwatch.record.context import load_context
+from stragglerwatch.record.steplog import RunDirError, RunDirWarning, load_run
+from stragglerwatch.runtime.config import Config, ConfigError
+from stragglerwatch.runtime.identity import AttachError
 
-from .config import Config, ConfigError  # noqa: E402
-from .context import load_context  # noqa: E402
-from .eventlog import RunDirError, RunDirWarning, load_run  # noqa: E402
-from .runinfo import AttachError  # noqa: E402
+_compat.install()  # the import paths of 0.1 keep working for one release, with a warning
 
 
 def __getattr__(name: str) -> object:
@@ -23,10 +25,10 @@ def __getattr__(name: str) -> object:
     and the command line run where torch is not installed (there, ImportError with one line naming
     the extra that installs it)."""
     if name in ("attach", "Watch"):
-        from .extras import require
+        from stragglerwatch._extras import require
 
         require(f"stragglerwatch.{name}", "torch")
-        from . import watch
+        from stragglerwatch.runtime import watch
 
         return getattr(watch, name)
     raise AttributeError(f"module 'stragglerwatch' has no attribute {name!r}")

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from stragglerwatch.runinfo import RunInfo, write_meta
-from stragglerwatch.timing import StepMarks
+from stragglerwatch.record.rundir import RunInfo
+from stragglerwatch.runtime.identity import write_meta
+from stragglerwatch.runtime.timing import StepMarks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +34,7 @@ def one_rank_group():
 def check_anatomy(df) -> None:
     """The record contract on a loaded run: phases non-negative and adding up to the step,
     communication the sum of its two kinds, busy the step minus communication and evaluation."""
-    from stragglerwatch.schema import PHASE_COLUMNS
+    from stragglerwatch.record.schema import PHASE_COLUMNS
 
     parts = df[list(PHASE_COLUMNS)]
     assert (parts >= 0).all().all()
@@ -110,7 +111,7 @@ def make_run(tmp_path: Path):
 
 def analyze_json(run: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
     """``stragglerwatch analyze RUN --format json``'s report, through the CLI."""
-    from stragglerwatch.cli import main as cli
+    from stragglerwatch.cli.commands import main as cli
 
     assert cli(["analyze", str(run), "--format", "json", *extra]) == 0
     return json.loads(capsys.readouterr().out)
@@ -236,8 +237,8 @@ def live_prometheus(tmp_path_factory: pytest.TempPathFactory):
     import sys
     from types import SimpleNamespace
 
-    from stragglerwatch.cli import main as cli
-    from stragglerwatch.promrules import render_rules
+    from stragglerwatch.cli.commands import main as cli
+    from stragglerwatch.presentation.promrules import render_rules
 
     prometheus, promtool = shutil.which("prometheus"), shutil.which("promtool")
     if prometheus is None or promtool is None:

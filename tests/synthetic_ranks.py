@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stragglerwatch.ctxmetrics import ContextCollector
-from stragglerwatch.exporter import Exporter, RankCollector, RankMetrics
-from stragglerwatch.runinfo import RunInfo
-from stragglerwatch.sampler import ContextSampler
-from stragglerwatch.schema import StepRecord
+from stragglerwatch.record.rundir import RunInfo
+from stragglerwatch.record.schema import StepRecord
+from stragglerwatch.runtime.ctxmetrics import ContextCollector
+from stragglerwatch.runtime.exporter import Exporter, RankCollector, RankMetrics
+from stragglerwatch.runtime.sampler import ContextSampler
 
 #: Seconds a healthy rank spends per step in each phase (the slow rank adds to forward and backward).
 BASE = {"data_wait": 0.001, "forward": 0.010, "backward": 0.020, "allreduce_wait": 0.005, "collective_wait": 0.001,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE, analyze_json, torchrun
 
-from stragglerwatch.cli import main as cli
+from stragglerwatch.cli.commands import main as cli
 
 
 def check_contract(report: dict, world: int) -> None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import stragglerwatch
-from stragglerwatch.schema import PHASE_COLUMNS
+from stragglerwatch.record.schema import PHASE_COLUMNS
 
 
 class SlowData:

@@ -16,11 +16,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from torch import nn
 
 import stragglerwatch
-from stragglerwatch.codelog import load_code
-from stragglerwatch.codemetrics import CodeCollector
-from stragglerwatch.codeprofile import locate
-from stragglerwatch.codesampler import CodeSampler, Locator
-from stragglerwatch.render import code_text, verdict_lines
+from stragglerwatch.analysis.codeprofile import locate
+from stragglerwatch.presentation.render import code_text, verdict_lines
+from stragglerwatch.record.codelog import load_code
+from stragglerwatch.runtime.codemetrics import CodeCollector
+from stragglerwatch.runtime.codesampler import CodeSampler, Locator
 
 HERE = Path(__file__).name
 
@@ -237,7 +237,7 @@ def test_spread_excess_and_missing_samples_are_said() -> None:
 
 
 def test_a_large_run_reads_the_stragglers_and_a_few_peers(tmp_path: Path) -> None:
-    from stragglerwatch.codeprofile import MOST_PEERS, needed_ranks
+    from stragglerwatch.analysis.codeprofile import MOST_PEERS, needed_ranks
 
     roles = {r: ("a" if r < 600 else "b") for r in range(1000)}
     wanted = needed_ranks([{"rank": 7}, {"rank": 9}], list(range(1000)), roles)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import stragglerwatch
-from stragglerwatch.schema import PHASE_COLUMNS
+from stragglerwatch.record.schema import PHASE_COLUMNS
 
 dynamo = pytest.importorskip("torch._dynamo")
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from fake_nvml import Device, FakeNVML
 
-from stragglerwatch.context import COLUMNS, load_context
-from stragglerwatch.eventlog import RunDirWarning
-from stragglerwatch.gpuctx import REASONS, GpuSampler, decode_reasons, open_gpu
-from stragglerwatch.hostctx import HostSampler, cpu_list, cpu_list_text
-from stragglerwatch.log import Problems
-from stragglerwatch.sampler import ContextSampler
+from stragglerwatch.record.context import COLUMNS, REASONS, decode_reasons, load_context
+from stragglerwatch.record.steplog import RunDirWarning
+from stragglerwatch.runtime.gpuctx import GpuSampler, open_gpu
+from stragglerwatch.runtime.hostctx import HostSampler, cpu_list, cpu_list_text
+from stragglerwatch.runtime.log import Problems
+from stragglerwatch.runtime.sampler import ContextSampler
 
 NAN_FIELDS = ("sm_clock_mhz", "temperature_c", "power_w", "pcie_replays")
 

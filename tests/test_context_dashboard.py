@@ -9,7 +9,7 @@ from conftest import wait_for
 from test_dashboard import browser, console_errors, needs_browser, serve, text_of  # noqa: F401 - browser: a fixture
 from test_explain import sim_run_with_context
 
-from stragglerwatch.dashboard.app import BAND, BANNER, CONTEXT
+from stragglerwatch.presentation.dashboard.app import BAND, BANNER, CONTEXT
 
 
 @needs_browser

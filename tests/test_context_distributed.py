@@ -20,8 +20,8 @@ import pytest
 from conftest import EXAMPLE, ROOT, wait_for
 
 import stragglerwatch
-from stragglerwatch.analysis import analyze_run
-from stragglerwatch.render import render_text
+from stragglerwatch.analysis.report import analyze_run
+from stragglerwatch.presentation.render import render_text
 
 pytestmark = pytest.mark.distributed
 CPU_SIGNALS = {"run_delay", "invol_switches", "others_cpu", "cpu_pressure"}

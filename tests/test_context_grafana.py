@@ -20,12 +20,12 @@ from synthetic_ranks import step_record
 from test_grafana import queries, query_range, substitute
 from test_prometheus import scrape
 
-from stragglerwatch.ctxmetrics import ContextCollector
-from stragglerwatch.exporter import Exporter, RankCollector, RankMetrics
-from stragglerwatch.gpuctx import GpuSampler
-from stragglerwatch.grafana import context_panels, dashboards
-from stragglerwatch.runinfo import RunInfo
-from stragglerwatch.sampler import ContextSampler
+from stragglerwatch.presentation.grafana import context_panels, dashboards
+from stragglerwatch.record.rundir import RunInfo
+from stragglerwatch.runtime.ctxmetrics import ContextCollector
+from stragglerwatch.runtime.exporter import Exporter, RankCollector, RankMetrics
+from stragglerwatch.runtime.gpuctx import GpuSampler
+from stragglerwatch.runtime.sampler import ContextSampler
 
 PROMETHEUS = shutil.which("prometheus")
 

@@ -15,11 +15,11 @@ from conftest import wait_for
 from torch import nn
 
 import stragglerwatch
-from stragglerwatch import debugserver
-from stragglerwatch.cli import main as cli
-from stragglerwatch.control import CONTROL_FILE, ControlError, latest_stall, parse_settings
-from stragglerwatch.controlfile import status, write_request
-from stragglerwatch.watchdog import read_events
+from stragglerwatch.cli.commands import main as cli
+from stragglerwatch.record.events import latest_stall, read_events
+from stragglerwatch.runtime import debugserver
+from stragglerwatch.runtime.controlfile import status, write_request
+from stragglerwatch.runtime.controlspec import CONTROL_FILE, ControlError, parse_settings
 
 _OPEN: list[stragglerwatch.Watch] = []
 

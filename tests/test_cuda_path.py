@@ -17,10 +17,10 @@ from fake_cuda import FakeStream, install
 from torch import nn
 
 import stragglerwatch
-from stragglerwatch.devices import CaptureGate, CudaMarks, compute_device
-from stragglerwatch.probes import StepProbe
-from stragglerwatch.runinfo import AttachError
-from stragglerwatch.watchdog import read_events
+from stragglerwatch.record.events import read_events
+from stragglerwatch.runtime.devices import CaptureGate, CudaMarks, compute_device
+from stragglerwatch.runtime.identity import AttachError
+from stragglerwatch.runtime.probes import StepProbe
 
 MS = 1e-3
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE, ROOT, free_ports, wait_for
 
-from stragglerwatch.dashboard import RunDirSource, Snapshot
-from stragglerwatch.dashboard.app import BANNER, BREAKDOWN, HEATMAP, TABLE, render
-from stragglerwatch.demo import DashboardServer
+from stragglerwatch.cli.dashboard import DashboardServer
+from stragglerwatch.presentation.dashboard import RunDirSource, Snapshot
+from stragglerwatch.presentation.dashboard.app import BANNER, BREAKDOWN, HEATMAP, TABLE, render
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
@@ -126,8 +126,8 @@ def test_finished_run_opened_later(browser, compute_run: Path) -> None:
 
 
 def test_render_is_pure_and_bounded(make_run) -> None:
-    from stragglerwatch.analysis import analyze_run
-    from stragglerwatch.simulate import Injection, SimConfig, write_run
+    from stragglerwatch.analysis.report import analyze_run
+    from stragglerwatch.record.simulate import Injection, SimConfig, write_run
 
     run = make_run(1).parent / "sim"
     write_run(run, SimConfig(ranks=300, steps=500, injections=[Injection(7, 0.3, 100)]))
@@ -143,8 +143,8 @@ def test_render_is_pure_and_bounded(make_run) -> None:
 def test_prometheus_source_unreachable_keeps_an_empty_state() -> None:
     import socket
 
-    from stragglerwatch.dashboard import PrometheusSource
-    from stragglerwatch.dashboard.app import banner
+    from stragglerwatch.presentation.dashboard import PrometheusSource
+    from stragglerwatch.presentation.dashboard.app import banner
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -174,9 +174,9 @@ def test_banner_says_busy_time_unavailable(make_run) -> None:
     """A rank that could not see its communication: the banner says so instead of naming a straggler."""
     import json
 
-    from stragglerwatch.analysis import analyze_run
-    from stragglerwatch.dashboard.app import CAUTION_STYLE, banner
-    from stragglerwatch.simulate import Injection, SimConfig, write_run
+    from stragglerwatch.analysis.report import analyze_run
+    from stragglerwatch.presentation.dashboard.app import CAUTION_STYLE, banner
+    from stragglerwatch.record.simulate import Injection, SimConfig, write_run
 
     run = make_run(1).parent / "sim"
     write_run(run, SimConfig(ranks=8, steps=200, injections=[Injection(3, 0.3, 50)]))

@@ -21,9 +21,9 @@ from conftest import ROOT
 from torch import nn
 
 import stragglerwatch
-from stragglerwatch import debugserver, debugstack
-from stragglerwatch.cli import main as cli
-from stragglerwatch.watchdog import read_events
+from stragglerwatch.cli.commands import main as cli
+from stragglerwatch.record.events import read_events
+from stragglerwatch.runtime import debugserver, debugstack
 
 pytestmark = pytest.mark.distributed
 

@@ -9,8 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from stragglerwatch.detect import DetectConfig, detect, to_matrix
-from stragglerwatch.simulate import Injection, SimConfig, simulate_arrays, to_frame
+from stragglerwatch.analysis.detect import detect, to_matrix
+from stragglerwatch.analysis.thresholds import DetectConfig
+from stragglerwatch.record.simulate import Injection, SimConfig, simulate_arrays, to_frame
 
 
 def run(cfg: SimConfig, **kw: object):

@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, read_json, torchrun, wait_for
 
 import stragglerwatch
-from stragglerwatch.schema import PHASE_COLUMNS
+from stragglerwatch.record.schema import PHASE_COLUMNS
 
 pytestmark = pytest.mark.distributed
 EXAMPLE = ROOT / "examples" / "train_ddp.py"

@@ -11,9 +11,10 @@ import pytest
 from conftest import fake_step
 
 from stragglerwatch import RunDirError, RunDirWarning, load_run
-from stragglerwatch.cli import main as cli_main
-from stragglerwatch.eventlog import EventLogWriter, log_path
-from stragglerwatch.schema import RUN_COLUMNS, SCHEMA_VERSION
+from stragglerwatch.cli.commands import main as cli_main
+from stragglerwatch.record.schema import RUN_COLUMNS, SCHEMA_VERSION
+from stragglerwatch.record.steplog import log_path
+from stragglerwatch.runtime.writer import EventLogWriter
 
 
 def write_steps(
@@ -168,7 +169,7 @@ def test_cli_summary_and_errors(make_run, capsys: pytest.CaptureFixture[str], tm
 
 
 def test_stream_compacted_while_listing_is_read_from_parquet(make_run) -> None:
-    from stragglerwatch.eventlog import _read_log
+    from stragglerwatch.record.steplog import _read_log
 
     run = make_run(1)
     w = write_steps(run, 0, 4, close=False)

@@ -11,8 +11,8 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from stragglerwatch.context import CONTEXT_SCHEMA, EMPTY, rows_to_batch
-from stragglerwatch.explain import explain, span
+from stragglerwatch.analysis.explain import explain, span
+from stragglerwatch.record.context import CONTEXT_SCHEMA, EMPTY, rows_to_batch
 
 T0 = 1_700_000_000.0
 STEPS = (np.arange(60), T0 + np.arange(60.0), T0 + np.arange(60.0) + 1.0)  # one step a second
@@ -112,8 +112,8 @@ def test_span_of_steps() -> None:
 def sim_run_with_context(run: Path) -> pd.Series:
     """A simulated 4-rank run in which rank 1 is 1.5x as busy from step 150, with a context stream
     per rank in which rank 1's training thread waits for its CPU from then on; returns the step starts."""
-    from stragglerwatch.eventlog import load_run
-    from stragglerwatch.simulate import Injection, SimConfig, write_run
+    from stragglerwatch.record.simulate import Injection, SimConfig, write_run
+    from stragglerwatch.record.steplog import load_run
 
     write_run(run, SimConfig(ranks=4, steps=400, injections=[Injection(1, 0.5, 150)]))
     starts = load_run(run, columns=["start_time"]).groupby("step")["start_time"].median()
@@ -130,9 +130,9 @@ def sim_run_with_context(run: Path) -> pd.Series:
 
 
 def test_report_text_and_html_name_the_context(tmp_path: Path) -> None:
-    from stragglerwatch.analysis import analyze_run
-    from stragglerwatch.htmlreport import render_html
-    from stragglerwatch.render import render_text
+    from stragglerwatch.analysis.report import analyze_run
+    from stragglerwatch.presentation.htmlreport import render_html
+    from stragglerwatch.presentation.render import render_text
 
     run = tmp_path / "sim"
     starts = sim_run_with_context(run)
@@ -149,8 +149,8 @@ def test_report_text_and_html_name_the_context(tmp_path: Path) -> None:
     html = render_html(analysis)
     assert "host and GPU context" in html and "waited for a CPU 55% of the time" in html
     assert "Host and GPU context: rank 1 vs its peers" in html
-    from stragglerwatch.dashboard import Snapshot
-    from stragglerwatch.dashboard.app import render
+    from stragglerwatch.presentation.dashboard import Snapshot
+    from stragglerwatch.presentation.dashboard.app import render
 
     figure = render(Snapshot(analysis), None)["context"]  # beside the busy time of the default rank: 1
     assert [t.name for t in figure.data[:2]] == ["peers median", "rank 1"] and figure.layout.shapes

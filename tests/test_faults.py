@@ -24,10 +24,10 @@ from conftest import ROOT, free_ports, wait_for
 
 import stragglerwatch
 from stragglerwatch import Config, ConfigError
-from stragglerwatch.eventlog import RunDirError, log_files
-from stragglerwatch.log import Problems
-from stragglerwatch.peers import PeerBoard
-from stragglerwatch.watchdog import read_events
+from stragglerwatch.record.events import read_events
+from stragglerwatch.record.steplog import RunDirError, log_files
+from stragglerwatch.runtime.log import Problems
+from stragglerwatch.runtime.peers import PeerBoard
 
 FAULTS = ROOT / "tests" / "workers" / "faults.py"
 
@@ -271,7 +271,7 @@ def test_restarts_and_reattaches_are_numbered_on(
 ) -> None:
     import json
 
-    from stragglerwatch.cli import main as cli
+    from stragglerwatch.cli.commands import main as cli
 
     run = tmp_path / "run"
     model, opt = model_and_opt()

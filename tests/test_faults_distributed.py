@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, torchrun, wait_for
 
-from stragglerwatch.cli import main as cli
-from stragglerwatch.watchdog import read_events
+from stragglerwatch.cli.commands import main as cli
+from stragglerwatch.record.events import read_events
 
 pytestmark = pytest.mark.distributed
 FAULTS = ROOT / "tests" / "workers" / "faults.py"

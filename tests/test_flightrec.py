@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE, ROOT, torchrun
 
-from stragglerwatch.cli import main as cli
-from stragglerwatch.flightrec import analyze_dumps
-from stragglerwatch.frdumps import load_dumps
-from stragglerwatch.hangverdict import reconcile
+from stragglerwatch.cli.commands import main as cli
+from stragglerwatch.evidence.flightrec import analyze_dumps
+from stragglerwatch.evidence.frdumps import load_dumps
+from stragglerwatch.evidence.hangverdict import reconcile
 
 pytestmark = pytest.mark.distributed
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT
 
 import stragglerwatch
-from stragglerwatch.watchdog import read_events
+from stragglerwatch.record.events import read_events
 
 FORKS = ROOT / "tests" / "workers" / "forks.py"
 

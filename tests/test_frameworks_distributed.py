@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, check_anatomy, torchrun
 
 import stragglerwatch
-from stragglerwatch.cli import main as cli
+from stragglerwatch.cli.commands import main as cli
 
 pytestmark = pytest.mark.distributed
 WORKER = ROOT / "tests" / "workers" / "frameworks.py"

@@ -17,12 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stragglerwatch
-from stragglerwatch.eventlog import RunDirError
-from stragglerwatch.runinfo import read_rank_meta, read_run_meta
-from stragglerwatch.schema import STEP_SCHEMA, StepRecord, records_to_batch
-from stragglerwatch.torchlogs import parse_files, parse_lines
-from stragglerwatch.traces import REQUIRED, TraceError, analyze_trace, read_meta
-from stragglerwatch.watchdog import read_events
+from stragglerwatch.evidence.torchlogs import parse_files, parse_lines
+from stragglerwatch.evidence.traces import REQUIRED, TraceError, analyze_trace, read_meta
+from stragglerwatch.record.events import read_events
+from stragglerwatch.record.rundir import read_rank_meta, read_run_meta
+from stragglerwatch.record.schema import STEP_SCHEMA, StepRecord, records_to_batch
+from stragglerwatch.record.steplog import RunDirError
 
 FUZZ = settings(
     max_examples=int(os.environ.get("FUZZ_EXAMPLES", 60)),  # more, and FUZZ_RANDOM=1, to explore

@@ -12,8 +12,8 @@ import urllib.request
 import pytest
 from conftest import ROOT, prom_api, wait_for
 
-from stragglerwatch.cli import main as cli
-from stragglerwatch.grafana import dashboards, files, render
+from stragglerwatch.cli.commands import main as cli
+from stragglerwatch.presentation.grafana import dashboards, files, render
 
 DASH_DIR = ROOT / "grafana" / "dashboards"
 VARS = {"$__rate_interval": "20s", "$__interval": "5s", "$rank": ".*"}

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import stragglerwatch
-from stragglerwatch.hangs import classify, hangs_from_events
-from stragglerwatch.peers import PeerBoard
-from stragglerwatch.watchdog import read_events
+from stragglerwatch.analysis.hangs import classify, hangs_from_events
+from stragglerwatch.record.events import read_events
+from stragglerwatch.runtime.peers import PeerBoard
 
 W = "allreduce_wait"
 

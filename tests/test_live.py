@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from stragglerwatch.analysis import analyze_run
-from stragglerwatch.live import LiveRun
-from stragglerwatch.simulate import GrowingRun, Injection, SimConfig
+from stragglerwatch.analysis.live import LiveRun
+from stragglerwatch.analysis.report import analyze_run
+from stragglerwatch.record.simulate import GrowingRun, Injection, SimConfig
 
 
 def _same(live: LiveRun, run: Path) -> bool:

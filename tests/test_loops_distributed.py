@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT, analyze_json, check_anatomy, medians, only_straggler, torchrun
 
 import stragglerwatch
-from stragglerwatch.watchdog import read_events
+from stragglerwatch.record.events import read_events
 
 pytestmark = pytest.mark.distributed
 LOOPS = ROOT / "tests" / "workers" / "loops.py"

@@ -28,8 +28,8 @@ assert main(["analyze", out + "/run", "--format", "json", "--out", out + "/r.jso
 assert main(["analyze", out + "/run", "--format", "html", "--out", out + "/r.html"]) == 0
 assert main(["summary", out + "/run"]) == 0
 assert main(["analyze", sys.argv[2], "--meta", sys.argv[3], "--format", "json", "--out", out + "/t.json"]) == 0
-from stragglerwatch.dashboard import create_app
-from stragglerwatch.dashboard.sources import RunDirSource
+from stragglerwatch.presentation.dashboard import create_app
+from stragglerwatch.presentation.dashboard.sources import RunDirSource
 create_app(RunDirSource(out + "/run"))
 stragglerwatch.load_run(out + "/run")
 try:

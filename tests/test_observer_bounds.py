@@ -16,10 +16,11 @@ from conftest import free_ports, wait_for
 from torch import nn
 
 import stragglerwatch
-from stragglerwatch import eventlog, probes
-from stragglerwatch.devices import graph_class
-from stragglerwatch.taps import ISSUE_METHODS, process_group_class, scaler_class, work_class
-from stragglerwatch.watchdog import read_events
+from stragglerwatch.record import steplog as eventlog
+from stragglerwatch.record.events import read_events
+from stragglerwatch.runtime import probes
+from stragglerwatch.runtime.devices import graph_class
+from stragglerwatch.runtime.taps import ISSUE_METHODS, process_group_class, scaler_class, work_class
 
 
 def quiet(model: nn.Module, run: Path, **settings):

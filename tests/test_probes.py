@@ -18,10 +18,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils import _pytree
 
 import stragglerwatch
-from stragglerwatch.cli import main as cli
-from stragglerwatch.probes import _grad_tensors
-from stragglerwatch.schema import PHASE_COLUMNS
-from stragglerwatch.taps import (
+from stragglerwatch.cli.commands import main as cli
+from stragglerwatch.record.schema import PHASE_COLUMNS
+from stragglerwatch.runtime.probes import _grad_tensors
+from stragglerwatch.runtime.taps import (
     ISSUE_METHODS,
     process_group_class,
     scaler_class,

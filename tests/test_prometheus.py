@@ -17,11 +17,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 import stragglerwatch
-from stragglerwatch.config import Config, ConfigError
-from stragglerwatch.detect import DetectConfig, detect
-from stragglerwatch.log import Problems
-from stragglerwatch.promrules import installed_rules, render_rules
-from stragglerwatch.promsource import frame_from_prometheus
+from stragglerwatch.analysis.detect import detect
+from stragglerwatch.analysis.thresholds import DetectConfig
+from stragglerwatch.presentation.promrules import installed_rules, render_rules
+from stragglerwatch.record.promsource import frame_from_prometheus
+from stragglerwatch.runtime.config import Config, ConfigError
+from stragglerwatch.runtime.log import Problems
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")

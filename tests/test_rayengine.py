@@ -18,9 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stragglerwatch import consistency, rayengine
-from stragglerwatch.analysis import analyze_run
-from stragglerwatch.simulate import Injection, SimConfig, write_run
+from stragglerwatch.analysis import consistency, rayengine
+from stragglerwatch.analysis.report import analyze_run
+from stragglerwatch.record.simulate import Injection, SimConfig, write_run
 
 ray = pytest.importorskip("ray", reason="the Ray engine's tests need ray (stragglerwatch[ray])")
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from stragglerwatch.analysis import analyze_run
-from stragglerwatch.reportschema import REPORT_SCHEMA, Report, StragglerEntry
-from stragglerwatch.simulate import Injection, SimConfig, write_run
-from stragglerwatch.traces import analyze_trace
+from stragglerwatch.analysis.report import analyze_run
+from stragglerwatch.analysis.reportschema import REPORT_SCHEMA, Report, StragglerEntry
+from stragglerwatch.evidence.traces import analyze_trace
+from stragglerwatch.record.simulate import Injection, SimConfig, write_run
 
 DATA = Path(__file__).parent / "data" / "whatif-traces"
 

@@ -24,11 +24,11 @@ import pytest
 from conftest import ROOT, free_ports, wait_for
 from test_dashboard import browser, console_errors, needs_browser, text_of  # noqa: F401 - browser: a fixture
 
-from stragglerwatch.analysis import analyze_run
-from stragglerwatch.dashboard.app import BANNER, HEADING, RUNS
-from stragglerwatch.dashboard.service import Service, ServiceConfig, create_server, run_path
-from stragglerwatch.render import verdict_lines
-from stragglerwatch.simulate import Injection, SimConfig, write_run
+from stragglerwatch.analysis.report import analyze_run
+from stragglerwatch.presentation.dashboard.app import BANNER, HEADING, RUNS
+from stragglerwatch.presentation.dashboard.service import Service, ServiceConfig, create_server, run_path
+from stragglerwatch.presentation.render import verdict_lines
+from stragglerwatch.record.simulate import Injection, SimConfig, write_run
 
 GUNICORN = shutil.which("gunicorn", path=str(Path(sys.executable).parent)) or shutil.which("gunicorn")
 
@@ -236,7 +236,7 @@ def test_names_outside_the_root_are_refused(runs_service: tuple[Gunicorn, Path])
 
 def test_run_names_in_process(tmp_path: Path) -> None:
     """The same checks without a server: a symlink inside the root is a run, one leading out is not."""
-    from stragglerwatch.dashboard.app import RunRefused
+    from stragglerwatch.presentation.dashboard.app import RunRefused
 
     root = tmp_path / "runs"
     (root / "a").mkdir(parents=True)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from stragglerwatch.schema import PHASE_COLUMNS, StepRecord, records_to_batch
-from stragglerwatch.timing import StepMarks, anatomy, carve
+from stragglerwatch.record.schema import PHASE_COLUMNS, StepRecord, records_to_batch
+from stragglerwatch.runtime.timing import StepMarks, anatomy, carve
 
 
 def marks(**kw: object) -> StepMarks:

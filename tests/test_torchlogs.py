@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stragglerwatch.torchlogs import LogEvent, LogParse, parse_files, parse_lines
+from stragglerwatch.evidence.logevent import LogEvent
+from stragglerwatch.evidence.torchlogs import LogParse, parse_files, parse_lines
 
 REAL = Path(__file__).resolve().parent / "data" / "pytorch-logs" / "real-excerpts.log"
 
@@ -518,7 +519,7 @@ def test_gloo_connection_reset_as_seen_in_a_gloo_job() -> None:
 def test_analyze_cli_reads_pytorch_logs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from stragglerwatch.cli import main as cli
+    from stragglerwatch.cli.commands import main as cli
 
     log = tmp_path / "job.log"
     log.write_text(

@@ -13,9 +13,9 @@ import pandas as pd
 import pytest
 from conftest import ROOT
 
-from stragglerwatch.cli import main as cli
-from stragglerwatch.traces import TraceError, analyze_trace, read_meta, read_trace, whatif_model
-from stragglerwatch.whatif import analyze
+from stragglerwatch.cli.commands import main as cli
+from stragglerwatch.evidence.traces import TraceError, analyze_trace, read_meta, read_trace, whatif_model
+from stragglerwatch.evidence.whatif import analyze
 
 TRACES = ROOT / "tests" / "data" / "whatif-traces"  # Apache-2.0, see the README and LICENSE there
 PUBLISHED_S = {"AR": 1.9730, "SE": 1.5374, "ST": 1.1787}  # blocking_slowdown

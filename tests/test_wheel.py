@@ -19,7 +19,7 @@ from conftest import free_ports
 from test_install import OFFLINE, ROOT, _env, _run, _source_copy, fresh_venv
 
 import stragglerwatch
-from stragglerwatch.grafana import files as grafana_files
+from stragglerwatch.presentation.grafana import files as grafana_files
 
 
 def _build(src: Path, dist: Path) -> tuple[Path, Path]:
@@ -39,7 +39,8 @@ def _check_archives(sdist: Path, wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     info = f"stragglerwatch-{version}.dist-info/"
     assert all(n.startswith(("stragglerwatch/", info)) for n in names), "only the package: no tests, no examples"
-    for needed in ("py.typed", "__main__.py", "demo_job.py", "grafana.py", "data/stragglerwatch.rules.yml"):
+    for needed in ("py.typed", "__main__.py", "cli/demo_job.py", "presentation/grafana.py", "_compat.py",
+                   "presentation/data/stragglerwatch.rules.yml", "record/__init__.py", "runtime/__init__.py"):
         assert f"stragglerwatch/{needed}" in names, needed
     assert f"{info}licenses/LICENSE" in names
     meta = zipfile.ZipFile(wheel).read(f"{info}METADATA").decode()

@@ -4,7 +4,7 @@ Design: an integration attaches at the framework's "training starts" hook (the m
 by then), times the framework's batch fetch as data wait where it has a place for that, and
 closes at the end of training. The figures it may log to the framework's loggers come from the
 same places as everywhere else: the rank's own latest steps (:meth:`Watch.latest`) and, at the
-end, :func:`~stragglerwatch.analysis.analyze_run` on the run dir (pure detection).
+end, :func:`~stragglerwatch.analysis.report.analyze_run` on the run dir (pure detection).
 
 The end-of-fit verdict costs the job nothing (:class:`LateVerdict`): no barrier, no collective;
 rank 0 computes it on a thread of its own once every rank's log is complete, while the job goes
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..log import Problems
+from stragglerwatch.runtime.log import Problems
 
 
 def find_caller_self(cls: type, depth: int = 12) -> Any:
@@ -45,7 +45,7 @@ def verdict_metrics(run_dir: Path | None, problems: Problems) -> dict[str, float
     if run_dir is None:
         return {}
     try:
-        from ..analysis import analyze_run
+        from stragglerwatch.analysis.report import analyze_run
 
         report = analyze_run(run_dir).report
     except Exception as exc:

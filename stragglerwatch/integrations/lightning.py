@@ -27,9 +27,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..config import Config
-from ..watch import Watch, attach
-from ._common import LateVerdict
+from stragglerwatch.integrations._common import LateVerdict
+from stragglerwatch.runtime.config import Config
+from stragglerwatch.runtime.watch import Watch, attach
 
 try:
     from lightning.pytorch.callbacks import Callback

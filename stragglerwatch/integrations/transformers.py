@@ -25,9 +25,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..config import Config
-from ..watch import Watch, attach
-from ._common import LateVerdict, find_caller_self
+from stragglerwatch.integrations._common import LateVerdict, find_caller_self
+from stragglerwatch.runtime.config import Config
+from stragglerwatch.runtime.watch import Watch, attach
 
 try:
     from transformers import Trainer, TrainerCallback

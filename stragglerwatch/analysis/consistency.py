@@ -1,0 +1,372 @@
+"""When a rank's excess over its peers becomes a flag: the consistency rule of detection. Pure.
+
+Input: per step and rank the relative excess ``e = busy / peers' median - 1`` (``detect.py``).
+Two tests run side by side; a rank is flagged while either holds for ``confirm`` steps:
+
+1. **Change** (fast, insensitive to a rank's fixed offset): one-sided CUSUMs of the rank's
+   excess over its *own* baseline, the median of its excess over a trailing reference window
+   (``level_window`` steps ending ``window`` steps ago, frozen while a change is suspected), shrunk
+   toward the peers' level as far as the ranks show no lasting offsets (empirical Bayes). Each
+   CUSUM tests H0 "a change of at most min_slowdown / 3" (drift, noise) against H1 "a change of
+   min_slowdown" (the second one: of twice that): its reference value lies halfway, plus 1.5
+   standard errors of the baseline; its alarm level ``h = decision * var / (H1 - H0)`` is the
+   Gaussian CUSUM's for ``decision`` nats of log-likelihood ratio, ``var`` the variance of what it
+   sums. Each step's excess is clipped to ``clip * noise`` (no spike decides) and the noise's own
+   skew (its clipped mean over its median) is taken off. An alarm is a flag only when the change
+   persists and is large: its mean since the CUSUM rose is at least ``0.75 * min_slowdown``, and
+   the median of the last ``window`` steps at least ``min_slowdown / 2`` above the baseline and
+   above the peers (a fast rank that became average is not a straggler).
+2. **Level** (a rank slow from the start, or one that crept up): the median of ``e`` over the
+   last ``level_window`` steps above ``max(min_slowdown, tolerance + z * its standard error)``.
+   Ranks within ``tolerance`` of their peers for ever are healthy hardware variation.
+
+A flag clears after ``confirm`` steps back near the rank's baseline (or near its peers); a step
+a rank did not record is no evidence either way. ``noise`` is the per-step jitter of ``e``: per
+rank, the median absolute step-to-step difference (robust to spikes, blind to offsets and
+drift), and the median of that over the ranks.
+
+**Rounds.** The ranks are processed in fixed blocks (:func:`rank_blocks`, a function of the
+run's shape only) in three rounds with job-wide reductions between them: ``round1`` (rolling
+medians, per-rank noise, medians and counts) -> ``combine1`` (noise, offset spread) ->
+``round2`` (the clipped excess's moments, the block means' second differences) -> ``combine2``
+(skew, variance, alarm levels) -> ``round3`` (the flags). Every reduction combines per-block
+results in block order, so an engine that runs the blocks anywhere (``rayengine.py``) gets the
+same flags, bit for bit, as :func:`flags` here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import bottleneck as bn
+import numpy as np
+
+from stragglerwatch.analysis.intermittent import block_bar, block_noise, block_stats, intermittent_flags
+
+if TYPE_CHECKING:  # detect.py imports this module
+    from stragglerwatch.analysis.thresholds import DetectConfig
+
+#: Steps x ranks records of one rank block: it bounds a block's memory (about 10 arrays of it).
+BLOCK_RECORDS = 1 << 24
+
+
+def rank_blocks(n_ranks: int, n_steps: int) -> list[slice]:
+    """The rank blocks of a run of this shape: column slices of at most ``BLOCK_RECORDS`` records."""
+    size = max(1, min(max(n_ranks, 1), BLOCK_RECORDS // max(n_steps, 1)))
+    return [slice(lo, min(lo + size, n_ranks)) for lo in range(0, n_ranks, size)]
+
+
+def rank_nanmedian(x: np.ndarray) -> np.ndarray:
+    """Per column (rank) median of the finite values; NaN for a column with none."""
+    return bn.nanmedian(x, axis=0) if x.size else np.full(x.shape[1], np.nan)
+
+
+@dataclass
+class BlockState:
+    """A rank block's arrays (steps x its ranks), kept between the rounds."""
+
+    e: np.ndarray
+    costly: np.ndarray
+    med: np.ndarray  # median of the last ``window`` steps
+    level: np.ndarray  # median of the last ``level_window`` steps (from ``window`` steps on)
+    counted: np.ndarray  # steps recorded in the last ``level_window``
+    center: np.ndarray | None = None  # each rank's median excess over the run (round 1)
+
+
+@dataclass
+class Round1:
+    noise: np.ndarray  # per rank: robust step-to-step jitter (NaN: fewer than two steps)
+    center: np.ndarray  # per rank: median excess
+    steps: np.ndarray  # per rank: steps recorded
+    block_jitter: np.ndarray  # per rank: jitter of its block means (``intermittent.py``)
+    block_level: np.ndarray  # per rank: the median of its block means
+
+
+@dataclass
+class Round2:
+    n: int  # moments of the clipped excess over the rank's level
+    total: float
+    squares: float
+    second_w: np.ndarray  # second differences of ``window``-step block means (finite ones)
+    second_lw: np.ndarray  # the same for ``level_window``-step blocks
+    bar: float  # lowest level bar at the last step
+
+
+@dataclass(frozen=True)
+class Scalars:
+    """The job-wide quantities every block's flags use."""
+
+    noise: float
+    spread: float  # the ranks' lasting offsets (standard deviation); inf: no shrinkage
+    skew: float = 0.0
+    variance: float = 0.0
+    bar: float = 0.0
+    block_noise: float = np.inf  # the intermittent test's (``intermittent.block_noise``)
+    ranks: int = 0  # ranks in the job
+
+    def cap(self, cfg: DetectConfig) -> float:
+        return cfg.clip * self.noise
+
+
+def _moving(fn, x: np.ndarray, window: int, min_count: int) -> np.ndarray:
+    """``fn`` (a bottleneck moving statistic) over the last ``window`` rows, NaN below ``min_count``."""
+    n = x.shape[0]
+    if n < min_count:
+        return np.full(x.shape, np.nan)
+    return fn(x, min(window, n), min_count=min_count, axis=0)
+
+
+def block_state(e: np.ndarray, costly: np.ndarray, cfg: DetectConfig) -> BlockState:
+    w, lw = cfg.window, cfg.level_window
+    med = _moving(bn.move_median, e, w, w // 2 + 1)
+    level = _moving(bn.move_median, e, lw, w)  # from ``window`` steps on, its bar higher while it has fewer
+    if np.isfinite(e).all():  # every step recorded: the count is the window's length
+        counted = np.broadcast_to(np.minimum(np.arange(1.0, len(e) + 1.0), float(lw))[:, None], e.shape)
+    else:
+        counted = _moving(bn.move_sum, np.isfinite(e).astype(float), lw, 1)
+    return BlockState(e, costly, med, level, counted)
+
+
+def round1(state: BlockState) -> Round1:
+    d = np.abs(np.diff(state.e, axis=0))
+    noise = 1.4826 * rank_nanmedian(d) / np.sqrt(2.0)
+    state.center = rank_nanmedian(state.e)
+    return Round1(noise, state.center, np.sum(np.isfinite(state.e), axis=0).astype(float), *block_stats(state.e))
+
+
+def combine1(parts: list[Round1], cfg: DetectConfig) -> Scalars:
+    noise_r = np.concatenate([p.noise for p in parts]) if parts else np.zeros(0)
+    noise_r = noise_r[np.isfinite(noise_r)]
+    noise = max(float(np.median(noise_r)) if noise_r.size else 0.0, 0.002)
+    centers = np.concatenate([p.center for p in parts]) if parts else np.zeros(0)
+    steps = np.concatenate([p.steps for p in parts]) if parts else np.zeros(0)
+    spread = _offset_spread(centers, steps, noise) if len(centers) >= 8 else np.inf
+    jitter = np.concatenate([p.block_jitter for p in parts]) if parts else np.zeros(0)
+    level = np.concatenate([p.block_level for p in parts]) if parts else np.zeros(0)
+    return Scalars(noise=noise, spread=spread, block_noise=block_noise(jitter, level), ranks=len(centers))
+
+
+def _offset_spread(centers: np.ndarray, steps: np.ndarray, noise: float) -> float:
+    """The spread (standard deviation) of the ranks' lasting offsets from their peers: the robust
+    spread of their run medians, less the part the per-step noise alone gives them."""
+    medians = centers[np.isfinite(centers)]
+    if medians.size < 2:
+        return np.inf
+    observed = 1.4826 * float(np.median(np.abs(medians - np.median(medians))))
+    n = max(1, int(np.median(steps)))
+    return float(np.sqrt(max(0.0, observed**2 - (1.2533 * noise) ** 2 / n)))
+
+
+def _second_differences(dev: np.ndarray, block: int) -> np.ndarray:
+    """Each ``block``-step mean's difference from its two neighbours' mean (finite ones, flat)."""
+    n = dev.shape[0] // block
+    if n < 3:
+        return np.zeros(0)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN blocks
+        means = np.nanmean(dev[: n * block].reshape(n, block, -1), axis=1)
+    second = means[1:-1] - (means[:-2] + means[2:]) / 2.0  # variance 1.5 x a block mean's
+    return second[np.isfinite(second)]
+
+
+def _long_run_variance(second: np.ndarray, block: int) -> float:
+    """Variance per step that sums of the clipped excess show over ``block`` steps: ``block`` x
+    the variance of ``block``-step means, measured on each block's difference from its two
+    neighbours (which takes out offsets and slow drift), winsorised at five robust standard
+    deviations (so that a straggler's one change does not dominate). Above the per-step variance
+    when slow excursions (a rank a bit slower for tens of steps, as on a shared host) are more
+    than independent steps give."""
+    if not second.size:
+        return 0.0
+    robust = 1.4826 * float(np.median(np.abs(second - np.median(second))))
+    # the tails count (they are the slow excursions), but one straggler's change does not dominate
+    tails = np.clip(second, -5.0 * robust, 5.0 * robust)
+    return block * float(np.mean(tails**2)) / 1.5
+
+
+def round2(state: BlockState, sc: Scalars, cfg: DetectConfig) -> Round2:
+    cap = sc.cap(cfg)
+    with np.errstate(invalid="ignore"):
+        dev = np.clip(state.e - state.level, -cap, cap)
+        around = np.clip(state.e - state.center, -cap, cap)
+    finite = dev[np.isfinite(dev)]
+    bars = level_bars(state.counted[-1:], sc, cfg) if len(state.e) else np.zeros(0)
+    return Round2(
+        n=int(finite.size),
+        total=float(np.sum(finite)),
+        squares=float(np.sum(finite**2)),
+        second_w=_second_differences(around, cfg.window),
+        second_lw=_second_differences(around, cfg.level_window),
+        bar=float(bars.min()) if bars.size else cfg.min_slowdown,
+    )
+
+
+def combine2(parts: list[Round2], sc: Scalars, cfg: DetectConfig) -> Scalars:
+    n = sum(p.n for p in parts)
+    skew = sum(p.total for p in parts) / n if n else 0.0
+    plain = max(0.0, sum(p.squares for p in parts) / n - skew**2) if n else 0.0
+    second_w = np.concatenate([p.second_w for p in parts]) if parts else np.zeros(0)
+    second_lw = np.concatenate([p.second_lw for p in parts]) if parts else np.zeros(0)
+    # the alarm levels need the variance of what the CUSUM sums (the clipped excess), which heavy
+    # tails make larger than the robust ``noise`` says, and which slow excursions (a rank a bit
+    # slower for tens of steps, as on a shared host) make larger still over the CUSUM's horizon:
+    # the long-run variance, from the means of ``window``- and ``level_window``-step blocks
+    variance = max(sc.noise**2, plain, _long_run_variance(second_w, cfg.window),
+                   _long_run_variance(second_lw, cfg.level_window))  # fmt: skip
+    bar = min((p.bar for p in parts), default=cfg.min_slowdown)
+    return replace(sc, skew=skew, variance=variance, bar=bar)
+
+
+def level_bars(counted: np.ndarray, sc: Scalars, cfg: DetectConfig) -> np.ndarray:
+    """The level test's bar for a median of ``counted`` steps."""
+    with np.errstate(divide="ignore"):
+        return np.maximum(cfg.min_slowdown, cfg.tolerance + cfg.z * 1.2533 * sc.noise / np.sqrt(counted))
+
+
+def alarm_levels(sc: Scalars, cfg: DetectConfig) -> tuple[float, list[float], list[float]]:
+    """H0's change, the CUSUMs' reference values and alarm levels (H1: a change of min_slowdown,
+    and of twice that). Each reference value lies halfway between its H0 and H1; a CUSUM alarms
+    at ``decision`` nats of log-likelihood ratio between its two hypotheses."""
+    delta = cfg.min_slowdown
+    c0 = delta / 3.0
+    targets = (delta, 2.0 * delta)
+    return c0, [(c0 + t) / 2.0 for t in targets], [cfg.decision * sc.variance / (t - c0) for t in targets]
+
+
+_CHUNK = 1024  # steps whose baselines are computed at once (bounds round 3's memory)
+
+
+def _baselines(state: BlockState, sc: Scalars, cfg: DetectConfig, lo: int, hi: int) -> tuple[np.ndarray, ...]:
+    """For steps ``lo:hi``: each rank's baseline, its margin, and the level test's bar."""
+    w, lw = cfg.window, cfg.level_window
+    rows = np.arange(lo, hi) - w  # the baseline is the level median of ``window`` steps ago
+    ok = rows >= 0
+    src = np.maximum(rows, 0)
+    counted = state.counted[src]
+    # the level median where it had at least half its window (the same median, fewer NaNs)
+    trailing = np.where(ok[:, None] & (counted >= lw // 2), state.level[src], np.nan)
+    n_trailing = np.where(ok[:, None], np.maximum(1.0, counted), 1.0)
+    # a rank's own baseline is uncertain (a median of at most ``lw`` steps); where the ranks show no
+    # lasting offsets from one another, shrink it toward its peers' level (empirical Bayes), which
+    # is known far better: ``spread`` is the ranks' true offset spread, their run medians' spread
+    # less what noise alone gives
+    se_base = 1.2533 * sc.noise / np.sqrt(n_trailing)
+    weight = 1.0 if np.isinf(sc.spread) else sc.spread**2 / (sc.spread**2 + se_base**2)
+    return trailing * weight, 1.5 * np.sqrt(weight) * se_base, level_bars(state.counted[lo:hi], sc, cfg)
+
+
+@dataclass
+class Carry:
+    """The consistency rule's state per rank between one step and the next (round 3)."""
+
+    cusum: np.ndarray  # the two CUSUMs
+    run_n: np.ndarray  # steps since the CUSUM last left zero, and their (capped) excess
+    run_sum: np.ndarray
+    base: np.ndarray  # the baseline in use, and its margin
+    unsure: np.ndarray
+    on: np.ndarray  # flagged now
+    run_on: np.ndarray  # steps in a row that were slow / back
+    run_off: np.ndarray
+
+    @classmethod
+    def fresh(cls, n_ranks: int) -> Carry:
+        z = np.zeros(n_ranks)
+        i = np.zeros(n_ranks, dtype=np.int32)
+        return cls(np.zeros((2, n_ranks)), z.copy(), z.copy(), np.full(n_ranks, np.nan), z.copy(),
+                   np.zeros(n_ranks, dtype=bool), i.copy(), i.copy())  # fmt: skip
+
+    def copy(self) -> Carry:
+        return Carry(*(getattr(self, f).copy() for f in self.__dataclass_fields__))
+
+
+def round3(state: BlockState, sc: Scalars, cfg: DetectConfig) -> np.ndarray:
+    """Steps x ranks bool flags of one block."""
+    out = advance(state, sc, cfg, Carry.fresh(state.e.shape[1]), 0, len(state.e))
+    return out | intermittent_flags(state.e, state.costly, sc.block_noise, cfg, sc.ranks)
+
+
+def advance(
+    state: BlockState,
+    sc: Scalars,
+    cfg: DetectConfig,
+    carry: Carry,
+    start: int,
+    stop: int,
+    checkpoints: dict[int, Carry] | None = None,
+    every: int = 256,
+) -> np.ndarray:
+    """Flags of steps ``start:stop`` from ``carry`` (the state after step ``start - 1``, updated in
+    place); with ``checkpoints``, a copy of the state before each step that is a multiple of
+    ``every`` (where a followed run resumes from)."""
+    e, costly, med, level = state.e, state.costly, state.med, state.level
+    n_ranks = e.shape[1]
+    delta, w = cfg.min_slowdown, cfg.window
+    _, ks, hs = alarm_levels(sc, cfg)
+    cap, skew = sc.cap(cfg), sc.skew
+    # the short median must be clearly above the baseline: half the smallest change, or two of its
+    # standard errors where noise makes that larger
+    persist = max(delta / 2.0, 2.0 * 1.2533 * sc.noise / np.sqrt(w))
+    out = np.zeros((max(0, stop - start), n_ranks), dtype=bool)
+    c = carry
+    lo = start
+    for s in range(start, stop):
+        if checkpoints is not None and s % every == 0:
+            checkpoints[s] = c.copy()
+        if s == start or s % _CHUNK == 0:
+            lo = s
+            trailing, margin, bars = _baselines(state, sc, cfg, s, min((s // _CHUNK + 1) * _CHUNK, stop))
+        frozen = c.on | (c.cusum[0] > hs[0] / 2)
+        fresh = ~(frozen & np.isfinite(c.base))
+        c.base = np.where(fresh, trailing[s - lo], c.base)
+        c.unsure = np.where(fresh, margin[s - lo], c.unsure)
+        score = np.clip(e[s] - c.base, -cap, cap) - skew
+        seen = np.isfinite(score)
+        alarm = np.zeros(n_ranks, dtype=bool)
+        for i, (k, hi) in enumerate(zip(ks, hs, strict=True)):
+            c.cusum[i] = np.where(seen, np.maximum(0.0, c.cusum[i] + (score - k - c.unsure)), c.cusum[i])
+            alarm |= c.cusum[i] >= hi
+        restart = seen & (c.cusum[0] == 0.0)
+        c.run_n = np.where(restart, 0.0, c.run_n + seen)
+        c.run_sum = np.where(restart, 0.0, c.run_sum + np.where(seen, score, 0.0))
+        m, lev, lev_bar = med[s], level[s], bars[s - lo]
+        level_off = (cfg.tolerance + lev_bar) / 2.0  # below it, a level flag clears (hysteresis)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            # the change's size: its mean since the CUSUM rose (the maximum-likelihood estimate), and
+            # the median of the last ``window`` steps (persistence: most recent steps are slow)
+            size = c.run_sum / c.run_n
+            change = alarm & (size >= 0.75 * delta) & (m - c.base >= persist) & (m >= delta / 2)
+            slow = (change | (lev >= lev_bar)) & costly[s]
+            near = (m - c.base < delta * cfg.off_ratio) | (m < delta * cfg.off_ratio)
+            back = np.where(np.isfinite(c.base), near, m < level_off) & ~(lev >= level_off)
+        gap = np.isnan(m)  # too few steps in the window (a rank missing rows): no evidence either way
+        c.run_on = np.where(gap, c.run_on, np.where(slow, c.run_on + 1, 0))
+        c.run_off = np.where(gap, c.run_off, np.where(back, c.run_off + 1, 0))
+        cleared = c.on & (c.run_off >= cfg.confirm)
+        c.on = (c.on & ~cleared) | (~c.on & (c.run_on >= cfg.confirm))
+        c.cusum[:, cleared] = 0.0
+        out[s - start] = c.on
+    return out
+
+
+def thresholds(sc: Scalars, cfg: DetectConfig) -> dict[str, float]:
+    _, _, hs = alarm_levels(sc, cfg)
+    bar = block_bar(sc.block_noise, cfg)
+    return {"noise": sc.noise, "skew": sc.skew, "cusum_h": hs[0], "level_bar": sc.bar,
+            "block_bar": bar if np.isfinite(bar) else None,
+            "min_slowdown": cfg.min_slowdown, "tolerance": cfg.tolerance}  # fmt: skip
+
+
+def flags(e: np.ndarray, costly: np.ndarray, cfg: DetectConfig) -> tuple[np.ndarray, dict[str, float]]:
+    """Steps x ranks bool flags for the excess ``e``; ``costly``: steps x ranks, the excess is worth
+    reporting (a noticeable part of the step). Returns the flags and the thresholds used. The
+    rounds run here, block after block; ``rayengine.py`` runs the same rounds on a cluster."""
+    blocks = rank_blocks(e.shape[1], e.shape[0])
+    states = [block_state(np.ascontiguousarray(e[:, b]), np.ascontiguousarray(costly[:, b]), cfg) for b in blocks]
+    sc = combine1([round1(s) for s in states], cfg)
+    sc = combine2([round2(s, sc, cfg) for s in states], sc, cfg)
+    out = np.zeros(e.shape, dtype=bool)
+    for b, state in zip(blocks, states, strict=True):
+        out[:, b] = round3(state, sc, cfg)
+    return out, thresholds(sc, cfg)

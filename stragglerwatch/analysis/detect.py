@@ -1,0 +1,264 @@
+"""Straggler detection: pure functions over per-rank step timings, no I/O, no torch.
+
+Design (DESIGN.md, "Peers, consistency, cause, cost"):
+
+1. Matrix: ``busy_s`` (and the phases) as steps x ranks arrays.
+2. Per step, each rank's relative excess over its peers' robust reference:
+   ``e = busy / median(peers' busy) - 1``; peers are the ranks of the same group
+   (role, e.g. pipeline stage); leave-one-out medians for small groups.
+3. Consistency (``consistency.py``): a rank is flagged when a change of its excess over its own
+   baseline (a CUSUM, at least ``min_slowdown``) or its level over its peers (above
+   ``tolerance`` plus a noise margin) persists for ``confirm`` steps, and cleared when it is
+   back as long (hysteresis: a spike moves no median, a flag never flaps).
+4. Onset/end: a sign-CUSUM change point inside the detection window.
+5. Cause: the phase (data, compute = forward + backward, optimizer, other)
+   whose excess over the healthy peers is largest during the flagged steps.
+6. Cost (what-if): without rank k's excess, step s would have taken
+   ``step - (busy_k - max(reference, busiest other rank))``; the job's ideal
+   time removes ``busy_max - reference`` from every step: ``S = T_actual / T_ideal``.
+7. Communication-bound: even the rank that waits least (the bottleneck) spends
+   most of its step in exposed communication. Group imbalance: a whole group's busy time above the others'.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from stragglerwatch.analysis.consistency import flags as consistency_flags
+from stragglerwatch.analysis.stages import (
+    CAUSES,
+    Groups,
+    HealthyStats,
+    RankSeries,
+    StepStats,
+    cause_phases,
+    describe,
+    healthy_stage,
+    intervals,
+    nanmedian,
+    other_max,
+    step_stage,
+)
+from stragglerwatch.analysis.thresholds import DetectConfig
+from stragglerwatch.record.schema import GAP_COLUMNS, PHASE_COLUMNS
+
+__all__ = ["CAUSES", "DetectConfig", "StepMatrix", "Verdict", "detect", "nanmedian"]
+MATRIX_COLUMNS = ("busy_s", "step_s", "comm_wait_s", *PHASE_COLUMNS, *GAP_COLUMNS)
+
+
+@dataclass
+class Straggler:
+    rank: int
+    cause: str
+    slowdown: float  # median busy / healthy reference over the flagged steps
+    first_step: int  # estimated onset
+    last_step: int | None  # estimated end; None while still slow at the end of the data
+    detected_step: int  # step at which the consistency rule fired
+    lost_seconds: float
+    excess_ms: dict[str, float] = field(default_factory=dict)  # median excess per cause
+    where: str | None = None  # where in the step the excess lies (``stages.where_excess``)
+    gap_ms: dict[str, float] = field(default_factory=dict)  # median excess per gap (schema.GAPS)
+    # (first_step, last_step) of each flagged stretch when a short pause (a stall, a gap in the
+    # data, a few healthy steps) interrupted it: one straggler, several episodes
+    episodes: list[tuple[int, int | None]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _merge_episodes(found: list[Straggler], steps: np.ndarray, gap: int) -> list[Straggler]:
+    """One verdict per rank for flagged stretches at most ``gap`` steps apart (in step order)."""
+    out: list[Straggler] = []
+    position = {int(s): i for i, s in enumerate(steps)}
+    for s in sorted(found, key=lambda x: (x.rank, x.first_step)):
+        prev = out[-1] if out and out[-1].rank == s.rank else None
+        if prev is not None and prev.last_step is not None and position[s.first_step] - position[prev.last_step] <= gap:
+            n_prev = position[prev.last_step] - position[prev.first_step] + 1
+            n_new = (position[s.last_step] if s.last_step is not None else len(steps) - 1) - position[s.first_step] + 1
+            main = prev if prev.lost_seconds >= s.lost_seconds else s
+            out[-1] = Straggler(
+                rank=s.rank,
+                cause=main.cause,
+                slowdown=round((prev.slowdown * n_prev + s.slowdown * n_new) / (n_prev + n_new), 4),
+                first_step=prev.first_step,
+                last_step=s.last_step,
+                detected_step=prev.detected_step,
+                lost_seconds=prev.lost_seconds + s.lost_seconds,
+                excess_ms=main.excess_ms,
+                where=main.where,
+                gap_ms=main.gap_ms,
+                episodes=[*prev.episodes, (s.first_step, s.last_step)],
+            )
+        else:
+            s.episodes = [(s.first_step, s.last_step)]
+            out.append(s)
+    return out
+
+
+@dataclass
+class GroupImbalance:
+    group: str
+    ranks: list[int]
+    slowdown: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Verdict:
+    ranks: np.ndarray
+    steps: np.ndarray
+    stragglers: list[Straggler]
+    groups: list[GroupImbalance]
+    job_seconds: float
+    ideal_seconds: float
+    lost_seconds: float
+    communication_bound: bool
+    comm_fraction: float  # median over steps of the bottleneck rank's exposed wait / step
+    thresholds: dict[str, float]
+    slowdown: np.ndarray  # steps x ranks: busy / reference (1.0 = like its peers)
+    flags: np.ndarray  # steps x ranks bool
+
+    @property
+    def job_slowdown(self) -> float:
+        return self.job_seconds / self.ideal_seconds if self.ideal_seconds > 0 else 1.0
+
+
+@dataclass
+class StepMatrix:
+    ranks: np.ndarray
+    steps: np.ndarray
+    values: dict[str, np.ndarray]  # column -> steps x ranks (NaN where a rank has no row)
+
+
+def _column(frame: pd.DataFrame, col: str) -> np.ndarray:
+    if col in frame:
+        return frame[col].to_numpy(dtype=float)
+    if col == "comm_wait_s":  # a frame without it: everything that is not busy was communication
+        return (frame["step_s"] - frame["busy_s"]).to_numpy(dtype=float)
+    if col in GAP_COLUMNS:  # where the untimed time lay: unknown
+        return np.full(len(frame), np.nan)
+    return np.zeros(len(frame))  # a phase the frame's source does not measure
+
+
+def to_matrix(frame: pd.DataFrame) -> StepMatrix:
+    """Pivot a ``load_run`` frame into steps x ranks arrays."""
+    return matrix_from_columns(
+        frame["rank"].to_numpy(), frame["step"].to_numpy(), {c: _column(frame, c) for c in MATRIX_COLUMNS}
+    )
+
+
+def matrix_from_columns(
+    rank: np.ndarray | list[np.ndarray], step: np.ndarray | list[np.ndarray], columns: dict[str, list | np.ndarray]
+) -> StepMatrix:
+    """Steps x ranks arrays from row-aligned columns (arrays, or lists of chunks read per file)."""
+    rank_chunks = rank if isinstance(rank, list) else [rank]
+    step_chunks = step if isinstance(step, list) else [step]
+    ranks = np.unique(np.concatenate(rank_chunks)) if rank_chunks else np.zeros(0, dtype=int)
+    steps = np.unique(np.concatenate(step_chunks)) if step_chunks else np.zeros(0, dtype=int)
+    values = {col: np.full((len(steps), len(ranks)), np.nan) for col in MATRIX_COLUMNS}
+    for k, (r, s) in enumerate(zip(rank_chunks, step_chunks, strict=True)):
+        ri, si = np.searchsorted(ranks, r), np.searchsorted(steps, s)
+        for col in MATRIX_COLUMNS:
+            chunk = columns[col] if isinstance(columns[col], np.ndarray) else columns[col][k]
+            values[col][si, ri] = chunk
+    return StepMatrix(ranks, steps, values)
+
+
+def detect(
+    data: pd.DataFrame | StepMatrix, config: DetectConfig | None = None, groups: dict[int, str] | None = None
+) -> Verdict:
+    """Consistent stragglers, their cause and cost, and the job's slowdown. Pure."""
+    cfg = config or DetectConfig()
+    mat = data if isinstance(data, StepMatrix) else to_matrix(data)
+    busy = mat.values["busy_s"]
+    g = Groups.of(mat.ranks, groups)
+    excess, costly, stats = step_stage(busy, mat.values["step_s"], mat.values["comm_wait_s"], g, cfg)
+    flags, thresholds = consistency_flags(excess, costly, cfg)
+    del costly
+    phases = cause_phases(mat.values)
+    health = healthy_stage(busy, phases, flags, ~flags.any(axis=0), g)
+    found = []
+    for j in np.flatnonzero(flags.any(axis=0)):
+        col = health.ref_h[:, g.index[j]]
+        series = RankSeries(excess[:, j], busy[:, j], [p[:, j] for p in phases], col,
+                            other_max(stats.top1, stats.top1_at, stats.top2, j), health.peer_phase)  # fmt: skip
+        found += [straggler(int(mat.ranks[j]), mat.steps, series, a, b, cfg) for a, b in intervals(flags[:, j])]
+    slowdown = busy / health.ref_h[:, g.index] if busy.size else np.zeros(busy.shape)
+    return verdict(mat.ranks, mat.steps, found, stats, health, g, cfg, thresholds, slowdown, flags)
+
+
+def straggler(rank: int, steps: np.ndarray, series: RankSeries, start: int, end: int | None, cfg: DetectConfig
+              ) -> Straggler:  # fmt: skip
+    """The verdict on one flagged stretch [start, end) of a rank (step indices)."""
+    d = describe(series, start, end, cfg)
+    return Straggler(
+        rank=rank,
+        cause=d["cause"],
+        slowdown=d["slowdown"],
+        first_step=int(steps[d["first"]]),
+        last_step=None if d["last"] is None else int(steps[d["last"]]),
+        detected_step=int(steps[start]),
+        lost_seconds=d["lost_seconds"],
+        excess_ms=d["excess_ms"],
+        where=d["where"],
+        gap_ms=d["gap_ms"],
+    )
+
+
+def verdict(
+    ranks: np.ndarray,
+    steps: np.ndarray,
+    found: list[Straggler],
+    stats: StepStats,
+    health: HealthyStats,
+    groups: Groups,
+    cfg: DetectConfig,
+    thresholds: dict[str, float],
+    slowdown: np.ndarray,
+    flags: np.ndarray,
+) -> Verdict:
+    """The job's verdict from the per-step figures of every step and the flagged stretches."""
+    stragglers = _merge_episodes(found, steps, cfg.window)
+    stragglers.sort(key=lambda s: -s.lost_seconds)
+    step_job = np.nan_to_num(stats.step_med)
+    waste = np.clip(np.nan_to_num(stats.top1 - health.ref_job), 0.0, step_job)
+    job = float(step_job.sum())
+    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN steps
+        comm = np.nanmedian(stats.least_wait / stats.step_med) if len(steps) else 0.0
+    comm = float(np.nan_to_num(comm))
+    return Verdict(
+        ranks=ranks,
+        steps=steps,
+        stragglers=stragglers,
+        groups=_group_imbalance(stats.group_med, groups, ranks, cfg),
+        job_seconds=job,
+        ideal_seconds=job - float(waste.sum()),
+        lost_seconds=float(waste.sum()),
+        communication_bound=bool(comm >= cfg.comm_bound_fraction and not stragglers),
+        comm_fraction=comm,
+        thresholds=thresholds,
+        slowdown=slowdown,
+        flags=flags,
+    )
+
+
+def _group_imbalance(group_med: np.ndarray, groups: Groups, ranks: np.ndarray, cfg: DetectConfig
+                     ) -> list[GroupImbalance]:  # fmt: skip
+    if len(groups.names) < 2:
+        return []
+    out = []
+    for g, name in enumerate(groups.names):
+        rest = nanmedian(np.delete(group_med, g, axis=1), axis=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            ratio = float(np.nanmedian(group_med[:, g] / rest))
+        if ratio > 1.0 + cfg.group_min_slowdown:
+            out.append(GroupImbalance(name, [int(ranks[i]) for i in groups.members[g]], round(ratio, 4)))
+    return sorted(out, key=lambda x: -x.slowdown)

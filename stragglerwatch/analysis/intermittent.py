@@ -1,0 +1,107 @@
+"""Intermittent stragglers: slow every few steps, consistently. Pure.
+
+A rank whose DataLoader workers cannot keep up is slow in bursts: the loader hands out its
+workers' batches in turn, so with N workers one step in N waits for all of them and the others
+wait for nothing. Per step, such a rank is slow in one step of N only; the per-step tests of
+``consistency.py`` see a rank whose excess jumps by several times the step every other step,
+take that for noise and flag nothing, although the rank costs the job a large share of its time.
+
+This test looks at blocks of :data:`BLOCK` consecutive steps instead: a rank's block excess is the
+mean of its per-step excess ``e`` over the block. Periods that divide the block (1, 2, 4, 8 steps)
+leave it steady, others nearly so, and a one-step spike is diluted eightfold. The block noise is a
+job-wide scalar, reduced like ``consistency``'s (:func:`block_stats` per rank): the median
+block-to-block jitter of the ranks whose block excess is at most the median rank's. A slow rank's
+own jitter grows with its excess (jitter is relative), so it is left out, also in a job of two
+ranks, where the other rank, its mirror image, is steady. A rank is flagged from the last step
+of :data:`CONFIRM_BLOCKS` consecutive blocks whose excess is above :func:`block_bar` (``max(min_slowdown,
+tolerance + z * block noise)``) and which hold a costly step (its excess a noticeable part of the
+step) (when the test knows; the onset is estimated as for every flag, ``stages.describe``), until
+the end of ``confirm`` (3) consecutive blocks back below ``off_ratio`` of that bar.
+``consistency.round3`` OR-s these flags with the per-step tests', so every engine flags alike.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from stragglerwatch.analysis.thresholds import DetectConfig
+
+#: Steps of a block: the periods it makes steady (the common numbers of loader workers).
+BLOCK = 8
+#: Consecutive slow blocks that flag a rank (48 steps). A healthy rank's block is slow by chance
+#: when a transient spike of a whole step falls into it (a few percent of blocks at 0.5% of steps
+#: spiking): six in a row are that unlikely (below 1e-8), three are not.
+CONFIRM_BLOCKS = 6
+
+
+def block_means(e: np.ndarray) -> np.ndarray:
+    """Per block and rank, the mean excess (NaN for a block with fewer than half its steps recorded)."""
+    n, r = e.shape
+    b = e[: (n // BLOCK) * BLOCK].reshape(n // BLOCK, BLOCK, r)
+    ok = np.isfinite(b)
+    count = ok.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count >= BLOCK // 2, np.where(ok, b, 0.0).sum(axis=1) / count, np.nan)
+
+
+def block_stats(e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, the robust block-to-block jitter of its block means and their median (NaN: fewer
+    than two blocks)."""
+    means = block_means(e)
+    if means.shape[0] < 2:
+        return np.full(e.shape[1], np.nan), np.full(e.shape[1], np.nan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # ranks without two finite blocks
+        jitter = 1.4826 * np.nanmedian(np.abs(np.diff(means, axis=0)), axis=0) / np.sqrt(2.0)
+        return jitter, np.nanmedian(means, axis=0)
+
+
+def block_noise(jitter: np.ndarray, level: np.ndarray) -> float:
+    """The job's block noise from every rank's :func:`block_stats`: the median jitter of the ranks
+    at or below the median level (inf: not known)."""
+    known = np.isfinite(jitter) & np.isfinite(level)
+    if not known.any():
+        return np.inf
+    jitter, level = jitter[known], level[known]
+    calm = jitter[level <= np.median(level)]
+    return max(float(np.median(calm)), 0.002)
+
+
+def block_bar(noise: float, cfg: DetectConfig) -> float:
+    """The block excess above which a block is slow."""
+    return max(cfg.min_slowdown, cfg.tolerance + cfg.z * noise)
+
+
+def intermittent_flags(e: np.ndarray, costly: np.ndarray, noise: float, cfg: DetectConfig, ranks: int) -> np.ndarray:
+    """Steps x ranks bool: the steps of each rank's flagged block stretches. ``ranks``: the job's
+    (a job of one rank has no peers)."""
+    n, r = e.shape
+    out = np.zeros((n, r), dtype=bool)
+    bar = block_bar(noise, cfg)
+    if ranks < 2 or n // BLOCK < CONFIRM_BLOCKS or not np.isfinite(bar):
+        return out
+    means = block_means(e)
+    nb = means.shape[0]
+    held = costly[: nb * BLOCK].reshape(nb, BLOCK, r).any(axis=1)
+    with np.errstate(invalid="ignore"):
+        above = (means > bar) & held
+        below = ~(means > bar * cfg.off_ratio)  # NaN (too few steps) counts as no evidence of slowness
+    for j in np.flatnonzero(above.any(axis=0)):  # the ranks never above the bar stay unflagged
+        on, run, start = False, 0, 0
+        for k in range(nb):
+            if not on:
+                run = run + 1 if above[k, j] else 0
+                if run >= CONFIRM_BLOCKS:  # known at the last step of this block: the flag rises there
+                    on, start, run = True, (k + 1) * BLOCK - 1, 0
+            else:
+                run = run + 1 if below[k, j] else 0
+                if run >= cfg.confirm:  # cleared at the end of this block
+                    out[start : (k + 1) * BLOCK, j] = True
+                    on, run = False, 0
+        if on:
+            out[start:, j] = True  # still slow at the end (the steps after the last block too)
+    return out

@@ -1,0 +1,447 @@
+"""A run dir followed as the job writes it: each update reads only the record batches that are new,
+and detection moves on from where it was instead of starting over.
+
+- **Reading.** A rank's live log is an Arrow stream that only grows: the batches already read are
+  skipped, the complete new ones scattered into the steps x ranks arrays (``runmatrix``'s, grown
+  as steps arrive). A stream compacted into Parquet at close is read once; a record that repeats
+  what is known changes nothing. What the incremental path cannot follow (a new rank, a new
+  attempt, a step inside the known range, a file that shrank) starts the arrays over.
+- **Detection** (``stages``, ``consistency``): the per-step stage and the rolling medians are
+  computed for the steps that changed; the consistency rule resumes from its state saved before
+  them (every 256 steps). Its job-wide scalars (noise, skew, variance, offset spread) are
+  re-estimated from every step of up to 256 ranks when the run has grown by ``regrow`` (10%) since
+  they were; the flags of earlier steps keep the scalars they were given with until the run
+  settles. The per-rank medians of the table are brought up to date one column an update, the
+  host context at most every ``slow_every_s``.
+- **Settling.** When an update finds nothing new and the verdict was not computed from all of the
+  data at once, the run is analysed whole (``detect``, as ``analyze`` does): the verdict of a
+  finished run is ``analyze``'s, exactly.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from stragglerwatch.analysis import consistency as cons
+from stragglerwatch.analysis.detect import StepMatrix, Verdict, detect, straggler, verdict
+from stragglerwatch.analysis.explain import StepTimes
+from stragglerwatch.analysis.intermittent import intermittent_flags
+from stragglerwatch.analysis.report import (
+    RANK_COLUMNS,
+    Analysis,
+    RankFigures,
+    empty_analysis,
+    finish,
+    last_steps,
+    step_times,
+)
+from stragglerwatch.analysis.runmatrix import (
+    FLOAT64_COLUMNS,
+    ID_COLUMNS,
+    VALUE_COLUMNS,
+    StepPlan,
+    attempt_keys,
+    attempt_list,
+)
+from stragglerwatch.analysis.stages import (
+    CAUSES,
+    Groups,
+    HealthyStats,
+    RankSeries,
+    StepStats,
+    cause_phases,
+    healthy_stage,
+    intervals,
+    nanmedian,
+    other_max,
+    rank_medians,
+    step_stage,
+)
+from stragglerwatch.analysis.thresholds import DetectConfig
+from stragglerwatch.record.context import load_context
+from stragglerwatch.record.rundir import read_rank_meta
+from stragglerwatch.record.schema import GAP_COLUMNS, schema_compatible
+from stragglerwatch.record.steplog import RunDirWarning, conform, read_log, run_files
+
+SCALAR_RANKS = 256  # ranks the followed run's scalars are estimated from
+RESERVE = 16384  # steps of room the arrays are made with
+_NAMES = [*ID_COLUMNS, *VALUE_COLUMNS]
+
+
+class _Restart(Exception):
+    """What was read cannot be appended to the arrays: read the run again from the start."""
+
+
+@dataclass
+class _File:
+    size: int = -1
+    mtime: int = -1
+    schema: pa.Schema | None = None  # an Arrow stream's, and where its next batch starts
+    offset: int = 0
+
+
+@dataclass
+class _Rows:
+    """Arrays with room to grow along steps (rows): the room is left unwritten (the system gives it
+    pages as rows are used), and a row is filled when it comes into use, so that growing costs
+    about as much as the rows added."""
+
+    n: int = 0
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def grow(self, n: int, shapes: dict[str, tuple[tuple[int, ...], type, float]]) -> None:
+        cap = next(iter(self.arrays.values())).shape[0] if self.arrays else 0
+        if n > cap or set(shapes) != set(self.arrays):
+            # room for RESERVE more steps, or four times as many: rows not yet used cost no memory,
+            # and each growth copies what is there (about a second per GB)
+            new_cap = max(n + RESERVE, 4 * cap)
+            for name, (tail, dtype, _) in shapes.items():
+                arr = np.empty((new_cap, *tail), dtype=dtype, order="F" if len(tail) else "C")
+                if name in self.arrays:
+                    arr[: self.n] = self.arrays[name][: self.n]
+                self.arrays[name] = arr
+        if n > self.n:
+            for name, (_, _, fill) in shapes.items():
+                self.arrays[name][self.n : n] = fill
+        self.n = n
+
+
+class LiveRun:
+    """The analysis of a run dir that grows; :meth:`update` returns whether it changed."""
+
+    def __init__(self, run_dir: str | Path, config: DetectConfig | None = None, regrow: float = 0.10,
+                 slow_every_s: float = 10.0):  # fmt: skip
+        self.run_dir = Path(run_dir)
+        self.cfg = config or DetectConfig()
+        self.regrow, self.slow_every_s = regrow, slow_every_s
+        self.analysis = empty_analysis()
+        self.exact = True  # ``analysis`` is what ``analyze`` gives on the data read so far
+        self.restarts = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.files: dict[str, _File] = {}
+        self.offsets: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.ranks = np.zeros(0, dtype=np.int64)
+        self.steps = np.zeros(0, dtype=np.int64)
+        self.data = _Rows()
+        self.det = _Rows()
+        self.sc: cons.Scalars | None = None
+        self.sc_steps = 0
+        self.checkpoints: dict[int, cons.Carry] = {}
+        self.never: np.ndarray | None = None
+        self.slow_at = 0.0
+        self.figures: RankFigures | None = None
+        self.turn = 0
+        self.context: pd.DataFrame | None = None
+        self.context_at = 0.0
+        self.settling = False
+        self.previous: tuple[StepMatrix, Verdict, StepTimes] | None = None
+        self.others: tuple = ()
+        self.rank_meta = read_rank_meta(self.run_dir)
+        roles = {r: m["role"] for r, m in self.rank_meta.items() if m.get("role") is not None}
+        self.roles = roles or None
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def _others(self) -> tuple:
+        """The files besides the step logs and context streams that the report reads: events, stacks,
+        the run's and the ranks' metadata."""
+        try:
+            names = [p for p in self.run_dir.iterdir() if p.suffix in (".jsonl", ".json", ".txt")]
+            return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in names))
+        except OSError:
+            return ()
+
+    def update(self) -> bool:
+        """Read what is new and update the analysis; True when it changed."""
+        others = self._others()
+        if others != self.others and self.data.n:
+            metas = read_rank_meta(self.run_dir)
+            if metas != self.rank_meta:  # new roles regroup the peers: read the run again
+                self._reset()
+        self.others, report_again = others, others != self.others
+        try:
+            lo = self._ingest()
+        except _Restart:
+            self.restarts += 1
+            self._reset()
+            lo = self._ingest()
+        if lo is None and report_again and self.previous is not None:  # a new event or stack dump
+            self.analysis = self._report(*self.previous)
+            if self.exact:
+                return True
+        if lo is None:  # nothing new: settle on the exact analysis of all the data
+            if self.exact or not self.data.n:
+                return False
+            self.settling = True
+            try:
+                self.analysis = self._exact()
+            finally:
+                self.settling = False
+            self.exact = True
+            return True
+        self.analysis = self._follow(lo)
+        self.exact = False
+        return True
+
+    def _ingest(self) -> int | None:
+        """Read new batches; the first row whose values changed, or None."""
+        try:
+            _, _, files = run_files(self.run_dir)
+        except Exception:  # noqa: BLE001 - not a run dir yet: nothing to read
+            return None
+        tables = []
+        for f in files:
+            try:
+                st = f.stat()
+            except OSError:
+                continue
+            state = self.files.setdefault(f.stem, _File())
+            if (st.st_size, st.st_mtime_ns) == (state.size, state.mtime):
+                continue
+            if f.suffix == ".arrows" and st.st_size < state.size:
+                raise _Restart
+            table = self._read(f, state)
+            state.size, state.mtime = st.st_size, st.st_mtime_ns
+            if table is not None:
+                tables.append(table)
+        tables = self._conform(tables)
+        lo: int | None = None
+        if tables:
+            found = np.unique(np.concatenate([t["rank"].to_numpy() for t in tables])).astype(np.int64)
+            if not np.isin(found, self.ranks).all():
+                lo = self._add_ranks(found)
+        for table in tables:
+            row = self._scatter(table)
+            lo = row if lo is None or (row is not None and row < lo) else lo
+        return lo
+
+    def _conform(self, tables: list[pa.Table]) -> list[pa.Table]:
+        """The new batches of the streams as this schema's columns: once for all the files written by
+        the same schema (upgrading a small table costs as much as a large one)."""
+        out, groups = [], {}
+        for t in tables:
+            if t.column_names == _NAMES:  # read from Parquet: already conformed
+                out.append(t)
+            else:
+                groups.setdefault(t.schema.to_string(show_schema_metadata=False), []).append(t)
+        for group in groups.values():
+            t = conform(pa.concat_tables(group), _NAMES, self.run_dir, _quiet)
+            if t is not None:
+                out.append(t)
+        return out
+
+    def _add_ranks(self, found: np.ndarray) -> int:
+        """Columns for ranks seen for the first time (a job's ranks start one after another); the
+        detection starts over."""
+        ranks = np.union1d(self.ranks, found)
+        where = np.searchsorted(ranks, self.ranks)
+        for col, arr in self.data.arrays.items():
+            grown = np.full((arr.shape[0], len(ranks)), np.nan, dtype=arr.dtype, order="F")
+            grown[:, where] = arr
+            self.data.arrays[col] = grown
+        self.ranks = ranks
+        self.det, self.sc, self.sc_steps, self.never = _Rows(), None, 0, None
+        self.checkpoints = {}
+        return 0
+
+    def _read(self, f: Path, state: _File) -> pa.Table | None:
+        if f.suffix == ".parquet":
+            return read_log(f, _NAMES, _quiet)
+        batches = []
+        try:
+            with pa.memory_map(str(f), "r") as src:
+                if state.schema is None:
+                    try:
+                        message = pa.ipc.MessageReader.open_stream(src).read_next_message()
+                    except StopIteration:
+                        return None  # created, nothing written yet
+                    schema = pa.ipc.read_schema(message)
+                    if schema_compatible(schema):
+                        return None
+                    state.schema, state.offset = schema, src.tell()
+                src.seek(state.offset)  # after the last complete batch read
+                reader = pa.ipc.MessageReader.open_stream(src)
+                while True:
+                    try:
+                        batch = pa.ipc.read_record_batch(reader.read_next_message(), state.schema)
+                        batch.validate(full=True)
+                    except StopIteration:
+                        break
+                    except (pa.ArrowException, OSError, EOFError, ValueError):
+                        break  # a batch being written: read it next time
+                    batches.append(batch)
+                    state.offset = src.tell()
+        except (pa.ArrowException, OSError, EOFError, ValueError):
+            return None
+        return pa.Table.from_batches(batches, schema=state.schema) if batches else None
+
+    def _scatter(self, table: pa.Table) -> int | None:
+        keys = attempt_keys(table)
+        raw = table["step"].to_numpy()
+        for key in np.unique(keys):
+            key, top = int(key), int(raw[keys == key].max())
+            if key not in self.offsets:
+                if self.offsets and key < max(self.offsets):
+                    raise _Restart
+                prev = max(self.offsets) if self.offsets else None
+                self.offsets[key] = 0 if prev is None else self.offsets[prev] + self.last[prev] + 1
+                self.last[key] = top
+            elif top > self.last[key]:
+                if key != max(self.offsets):  # an earlier attempt grew: the later ones move
+                    raise _Restart
+                self.last[key] = top
+        shift = np.array([self.offsets[int(k)] for k in np.unique(keys)])
+        step = raw + shift[np.searchsorted(np.unique(keys), keys)]
+        rank = table["rank"].to_numpy()
+        new = np.unique(step[~np.isin(step, self.steps)])
+        if new.size and self.steps.size and new[0] < self.steps[-1]:
+            raise _Restart  # a step inside the known range: its row does not exist
+        if new.size:
+            self.steps = np.concatenate([self.steps, new])
+            self.data.grow(len(self.steps), {c: ((len(self.ranks),), np.float64 if c in FLOAT64_COLUMNS
+                                                 else np.float32, np.nan) for c in VALUE_COLUMNS})  # fmt: skip
+        si = np.searchsorted(self.steps, step)
+        ri = np.searchsorted(self.ranks, rank)
+        first = None
+        for col in VALUE_COLUMNS:
+            arr = self.data.arrays[col]
+            value = table[col].to_numpy().astype(arr.dtype)
+            old = arr[si, ri]
+            changed = ~((old == value) | (np.isnan(old) & np.isnan(value)))
+            if changed.any():
+                arr[si[changed], ri[changed]] = value[changed]
+                row = int(si[changed].min())
+                first = row if first is None else min(first, row)
+        return first
+
+    # -- detection ------------------------------------------------------------------------------
+
+    def _matrix(self) -> tuple[StepMatrix, np.ndarray]:
+        n = self.data.n
+        values = {c: a[:n] for c, a in self.data.arrays.items()}
+        start = values.pop("start_time")
+        return StepMatrix(self.ranks, self.steps, values), start
+
+    def _exact(self) -> Analysis:
+        mat, start = self._matrix()
+        found = detect(mat, self.cfg, groups=self.roles)
+        self.figures, self.slow_at = RankFigures.of(mat, found), time.monotonic()
+        return self._report(mat, found, step_times(mat.steps, start, mat.values["step_s"]))
+
+    def _report(self, mat: StepMatrix, found: Verdict, times: StepTimes) -> Analysis:
+        self.previous = (mat, found, times)
+        plan = StepPlan(self.ranks, self.steps, dict(self.offsets), attempt_list(self.offsets, self.last))
+        if self.context is None or time.monotonic() - self.context_at >= self.slow_every_s or self.settling:
+            self.context, self.context_at = load_context(self.run_dir), time.monotonic()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RunDirWarning)
+            return finish(self.run_dir, self.figures, found, self.rank_meta, times, last_steps(mat), plan,  # type: ignore[arg-type]
+                          Analysis(None, mat, found), context=self.context)  # type: ignore[arg-type]  # fmt: skip
+
+    def _follow(self, lo: int) -> Analysis:
+        """The analysis after the rows from ``lo`` on changed (frozen scalars, resumed rule)."""
+        cfg, n, r = self.cfg, self.data.n, len(self.ranks)
+        mat, start = self._matrix()
+        g = Groups.of(self.ranks, self.roles)
+        self.det.grow(n, {"e": ((r,), np.float64, np.nan), "costly": ((r,), bool, False),
+                          "med": ((r,), np.float64, np.nan), "level": ((r,), np.float64, np.nan),
+                          "counted": ((r,), np.float64, 0.0), "flags": ((r,), bool, False),
+                          "step_med": ((), np.float64, np.nan), "least": ((), np.float64, np.nan),
+                          "top1": ((), np.float64, -np.inf), "top1_at": ((), np.int64, 0),
+                          "top2": ((), np.float64, -np.inf), "group_med": ((len(g.names),), np.float64, np.nan),
+                          "ref_h": ((len(g.names),), np.float64, np.nan), "ref_job": ((), np.float64, np.nan),
+                          "peer_phase": ((len(CAUSES) + len(GAP_COLUMNS),), np.float64, np.nan),
+                          "start": ((), np.float64, np.nan), "end": ((), np.float64, np.nan)})  # fmt: skip
+        d = self.det.arrays
+        v = mat.values
+        rows = slice(lo, n)
+        e, costly, st = step_stage(v["busy_s"][rows], v["step_s"][rows], v["comm_wait_s"][rows], g, cfg)
+        d["e"][rows], d["costly"][rows] = e, costly
+        for name, col in (("step_med", st.step_med), ("least", st.least_wait), ("top1", st.top1),
+                          ("top1_at", st.top1_at), ("top2", st.top2), ("group_med", st.group_med)):  # fmt: skip
+            d[name][rows] = col
+        _, d["start"][rows], d["end"][rows] = step_times(self.steps[rows], start[rows], v["step_s"][rows])
+        # rolling medians of the rows that changed, from the window before them
+        tail = max(0, lo - cfg.level_window + 1)
+        part = cons.block_state(d["e"][tail:n], d["costly"][tail:n], cfg)
+        d["med"][rows], d["level"][rows] = part.med[lo - tail :], part.level[lo - tail :]
+        d["counted"][rows] = np.asarray(part.counted)[lo - tail :]
+        state = cons.BlockState(d["e"][:n], d["costly"][:n], d["med"][:n], d["level"][:n], d["counted"][:n])
+        if self.sc is None or n >= (1.0 + self.regrow) * self.sc_steps:
+            # the steps before ``lo`` keep the flags the earlier scalars gave them until the run settles
+            self.sc, self.sc_steps = self._scalars(state), n
+        at = max((k for k in self.checkpoints if k <= lo), default=0)
+        carry = self.checkpoints[at].copy() if at in self.checkpoints else cons.Carry.fresh(r)
+        self.checkpoints = {k: c for k, c in self.checkpoints.items() if k <= at}
+        d["flags"][at:n] = cons.advance(state, self.sc, cfg, carry, at, n, self.checkpoints)  # type: ignore[arg-type]
+        # the intermittent test looks at whole blocks of the history: OR-ed here, not kept in the carry
+        sc = self.sc
+        flags = d["flags"][:n] | intermittent_flags(d["e"][:n], d["costly"][:n], sc.block_noise, cfg, sc.ranks)
+        never = ~flags.any(axis=0)
+        first = 0 if self.never is None or not np.array_equal(never, self.never) else min(lo, at)
+        self.never = never
+        phases = cause_phases({c: v[c] for c in ("data_wait_s", "forward_s", "backward_s", "optimizer_s",
+                                                 "other_s", *GAP_COLUMNS)})  # fmt: skip
+        part_rows = slice(first, n)
+        health = healthy_stage(v["busy_s"][part_rows], [p[part_rows] for p in phases], flags[part_rows], never, g)
+        d["ref_h"][part_rows], d["ref_job"][part_rows], d["peer_phase"][part_rows] = (
+            health.ref_h, health.ref_job, health.peer_phase)  # fmt: skip
+        stats = _stats(d, n)
+        full = HealthyStats(d["ref_h"][:n], d["ref_job"][:n], d["peer_phase"][:n])
+        found = []
+        for j in np.flatnonzero(~never):
+            series = RankSeries(np.ascontiguousarray(d["e"][:n, j]), np.ascontiguousarray(v["busy_s"][:, j]),
+                                [np.ascontiguousarray(p[:, j]) for p in phases], full.ref_h[:, g.index[j]],
+                                other_max(stats.top1, stats.top1_at, stats.top2, j), full.peer_phase)  # fmt: skip
+            found += [straggler(int(self.ranks[j]), self.steps, series, a, b, cfg) for a, b in intervals(flags[:, j])]
+        slowdown = v["busy_s"] / full.ref_h[:, g.index]
+        result = verdict(self.ranks, self.steps, found, stats, full, g, cfg, cons.thresholds(self.sc, cfg),  # type: ignore[arg-type]
+                         slowdown, flags)  # fmt: skip
+        self.figures = self._figures(mat, result)
+        return self._report(mat, result, (self.steps, d["start"][:n], d["end"][:n]))
+
+    def _figures(self, mat: StepMatrix, result: Verdict) -> RankFigures:
+        """The report's per-rank figures, one column's medians brought up to date an update (each
+        costs a pass over all the data); the flags are always current."""
+        old = self.figures
+        if old is None or len(old.ranks) != len(self.ranks):
+            return RankFigures.of(mat, result)
+        names = [*RANK_COLUMNS, "slowdown"]
+        name = names[self.turn % len(names)]
+        self.turn += 1
+        medians = dict(old.medians)
+        slowdown = old.slowdown
+        if name == "slowdown":
+            slowdown = nanmedian(result.slowdown, axis=0)
+        else:
+            medians[name] = rank_medians(mat.values, (name,))[name]
+        return RankFigures(self.ranks, medians, slowdown, np.sum(~np.isnan(mat.values["busy_s"]), axis=0))
+
+    def _scalars(self, state: cons.BlockState) -> cons.Scalars:
+        """The job-wide scalars from every step of at most ``SCALAR_RANKS`` ranks spread over the
+        job (job-wide medians and variances; the settled analysis takes them from every rank)."""
+        r = state.e.shape[1]
+        cols = np.unique(np.linspace(0, r - 1, min(r, SCALAR_RANKS)).astype(np.int64)) if r else np.zeros(0, int)
+        part = cons.BlockState(*(np.asarray(a)[:, cols] for a in
+                                 (state.e, state.costly, state.med, state.level, state.counted)))  # fmt: skip
+        sc = cons.combine1([cons.round1(part)], self.cfg)
+        return cons.combine2([cons.round2(part, sc, self.cfg)], sc, self.cfg)
+
+
+def _stats(d: dict[str, np.ndarray], n: int) -> StepStats:
+    return StepStats(d["step_med"][:n], d["least"][:n], d["top1"][:n], d["top1_at"][:n], d["top2"][:n],
+                     d["group_med"][:n])  # fmt: skip
+
+
+def _quiet(message: str) -> None:
+    """A live run misses ranks and cuts batches in half: normal, not worth a warning."""

@@ -1,0 +1,276 @@
+"""``analyze --engine ray``: the same analysis on a Ray cluster, for runs that fit no single machine.
+
+Every stage is a pure function of ``runmatrix``, ``stages`` and ``consistency``, called here in Ray
+tasks on slices of the run and locally by ``analysis.py`` on the whole of it; each result of a
+step depends only on that step's row, each result of a rank only on that rank's column, and the
+job-wide reductions combine fixed rank blocks in their order, so both engines give the same report.
+
+Data flow (no task opens more than one rank block's files; the object store carries the rest):
+
+1. **scan** (a task per 256 files): each file's ranks and step runs -> the plan (attempts, steps).
+2. **load** (a task per rank block): the block's files into steps x ranks arrays; its ranks' medians;
+   the arrays cut by step range (the step parts): the repartition by step range.
+3. **step stage** (a task per step part, every rank): peer reference, excess, per-step figures; the
+   excess cut back into rank blocks.
+4. **consistency** (a task per rank block, three rounds with job-wide reductions in between): flags.
+5. **healthy stage** (a task per step part): the unflagged ranks' reference and phases.
+6. **describe** (a task per rank block): each flagged stretch's onset, cause and cost; each rank's
+   slowdown.
+
+Memory: a rank block holds at most ``consistency.BLOCK_RECORDS`` records, a step part at most
+``PART_RECORDS``; a worker needs about 64 bytes a record of the slice it works on, several times
+over for the consistency rounds' arrays.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stragglerwatch.analysis import consistency, runmatrix
+from stragglerwatch.analysis.detect import StepMatrix, Straggler, straggler, verdict
+from stragglerwatch.analysis.report import RANK_COLUMNS, Analysis, RankFigures, analyze_run, finish
+from stragglerwatch.analysis.stages import (
+    Groups,
+    HealthyStats,
+    RankSeries,
+    StepStats,
+    cause_phases,
+    healthy_stage,
+    intervals,
+    last_rows,
+    nanmedian,
+    other_max,
+    rank_medians,
+    step_stage,
+)
+from stragglerwatch.analysis.thresholds import DetectConfig
+from stragglerwatch.record.rundir import read_rank_meta
+from stragglerwatch.record.steplog import RunDirWarning, run_files
+
+#: Ranks x steps records of one step part.
+PART_RECORDS = 1 << 22
+SCAN_FILES = 256  # files a scan task reads the footers (or ids) of
+STEP_COLUMNS = ("busy_s", "step_s", "comm_wait_s", "start_time")
+
+
+class RayEngineError(Exception):
+    """Ray cannot be used (not installed, no cluster at the address); one line for the user."""
+
+
+def step_parts(n_ranks: int, n_steps: int) -> list[slice]:
+    size = max(1, PART_RECORDS // max(n_ranks, 1))
+    return [slice(lo, min(lo + size, n_steps)) for lo in range(0, n_steps, size)] or [slice(0, 0)]
+
+
+# -- the tasks (plain functions; Ray runs them remotely) ------------------------------------------
+
+
+def _scan(files: list[str]) -> tuple[list[runmatrix.FileScan | None], list[str]]:
+    """The files' scans, and what was wrong with any of them (warned by the driver)."""
+    said: list[str] = []
+    return [runmatrix.scan_file(Path(f), warn=said.append) for f in files], said
+
+
+def _load(files: list[str], plan: runmatrix.StepPlan, ranks: np.ndarray, parts: list[slice]) -> tuple:
+    """A rank block's arrays: its ranks' figures, then one slice per step part."""
+    values = runmatrix.fill([Path(f) for f in files], plan, ranks)
+    summary = {
+        "medians": rank_medians(values, RANK_COLUMNS),
+        "steps": np.sum(~np.isnan(values["busy_s"]), axis=0),
+        "last": last_rows(values["busy_s"]),
+    }
+    phases = cause_phases(values)
+    cut = [{**{c: np.ascontiguousarray(values[c][p]) for c in STEP_COLUMNS},
+            "phases": [np.ascontiguousarray(x[p]) for x in phases]} for p in parts]  # fmt: skip
+    return (summary, *cut)
+
+
+def _joined(pieces: tuple[dict, ...], column: str) -> np.ndarray:
+    """One step part's column over every rank block (blocks side by side)."""
+    return np.concatenate([p[column] for p in pieces], axis=1)
+
+
+def _step(blocks: list[slice], groups: Groups, cfg: DetectConfig, *pieces: dict) -> tuple:
+    busy, step_s = _joined(pieces, "busy_s"), _joined(pieces, "step_s")
+    excess, costly, stats = step_stage(busy, step_s, _joined(pieces, "comm_wait_s"), groups, cfg)
+    start = _joined(pieces, "start_time")
+    times = (nanmedian(start, axis=1), nanmedian(start + step_s, axis=1))
+    return ((stats, times), *[(np.ascontiguousarray(excess[:, b]), np.ascontiguousarray(costly[:, b]))
+                              for b in blocks])  # fmt: skip
+
+
+def _round1(cfg: DetectConfig, *pieces: tuple[np.ndarray, np.ndarray]) -> tuple:
+    state = consistency.block_state(np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces]),
+                                    cfg)  # fmt: skip
+    return consistency.round1(state), state
+
+
+def _round2(state: consistency.BlockState, sc: consistency.Scalars, cfg: DetectConfig) -> consistency.Round2:
+    return consistency.round2(state, sc, cfg)
+
+
+def _round3(state: consistency.BlockState, sc: consistency.Scalars, cfg: DetectConfig, lo: int) -> list:
+    flags = consistency.round3(state, sc, cfg)
+    return [(lo + j, a, b) for j in np.flatnonzero(flags.any(axis=0)) for a, b in intervals(flags[:, j])]
+
+
+def _flag_rows(found: list[tuple[int, int, int | None]], rows: slice, n_ranks: int) -> np.ndarray:
+    out = np.zeros((rows.stop - rows.start, n_ranks), dtype=bool)
+    for col, a, b in found:
+        lo, hi = max(a, rows.start), min(rows.stop if b is None else b, rows.stop)
+        if lo < hi:
+            out[lo - rows.start : hi - rows.start, col] = True
+    return out
+
+
+def _healthy(rows: slice, found: list, never: np.ndarray, groups: Groups, *pieces: dict) -> HealthyStats:
+    phases = [np.concatenate([p["phases"][c] for p in pieces], axis=1) for c in range(len(pieces[0]["phases"]))]
+    return healthy_stage(_joined(pieces, "busy_s"), phases, _flag_rows(found, rows, len(never)), never, groups)
+
+
+def _describe(block: slice, steps: np.ndarray, ranks: np.ndarray, found: list, groups: Groups, job: dict,
+              cfg: DetectConfig, state: consistency.BlockState, *pieces: dict) -> tuple:  # fmt: skip
+    busy = np.concatenate([p["busy_s"] for p in pieces])
+    ref_h = job["ref_h"]
+    slowdown = nanmedian(busy / ref_h[:, groups.index[block]], axis=0)
+    out: list[Straggler] = []
+    for col, a, b in found:
+        j = col - block.start
+        phases = [np.concatenate([p["phases"][c][:, j] for p in pieces]) for c in range(len(pieces[0]["phases"]))]
+        series = RankSeries(np.ascontiguousarray(state.e[:, j]), np.ascontiguousarray(busy[:, j]), phases,
+                            ref_h[:, groups.index[col]], other_max(job["top1"], job["top1_at"], job["top2"], col),
+                            job["peer_phase"])  # fmt: skip
+        out.append(straggler(int(ranks[col]), steps, series, a, b, cfg))
+    return slowdown, out
+
+
+# -- the driver -------------------------------------------------------------------------------------
+
+
+def _connect(address: str | None) -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise RayEngineError('the Ray engine needs ray, which is not installed: pip install "stragglerwatch[ray]"'
+                             ) from exc  # fmt: skip
+    if not ray.is_initialized():
+        _reachable(address)
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="WARNING",
+                     configure_logging=False)  # fmt: skip
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise RayEngineError(f"cannot reach a Ray cluster at {address}: {exc}".splitlines()[0]) from exc
+    return ray
+
+
+def _reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """A cluster address (``HOST:PORT`` or ``ray://HOST:PORT``) that takes no connection fails in
+    seconds here, not after Ray's minutes of retries."""
+    if not address or address == "auto" or ":" not in address:
+        return
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        raise RayEngineError(f"cannot reach a Ray cluster at {address}: {exc}") from exc
+
+
+def analyze_on_ray(
+    run_dir: str | os.PathLike[str],
+    config: DetectConfig | None = None,
+    address: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Analysis:
+    """``analyze_run`` on Ray: the same report, computed by tasks on the cluster at ``address``
+    (None: a local Ray started here, or the one this process is connected to). The run dir must
+    be readable at the same path on every node (shared storage). Raises ``RunDirError`` and
+    ``RayEngineError``."""
+    cfg = config or DetectConfig()
+    say = progress or (lambda stage: None)
+    path, _, files = run_files(run_dir)
+    ray = _connect(address)
+    remote = {f.__name__: ray.remote(f) for f in (_scan, _load, _step, _round1, _round2, _round3, _healthy,
+                                                   _describe)}  # fmt: skip
+    say(f"scan: {len(files)} files")
+    names = [str(f) for f in files]
+    scanned = ray.get([remote["_scan"].remote(names[i : i + SCAN_FILES]) for i in range(0, len(names), SCAN_FILES)])
+    scans = [s for chunk, _ in scanned for s in chunk]
+    for message in (m for _, said in scanned for m in said):
+        warnings.warn(message, RunDirWarning, stacklevel=2)
+    plan = runmatrix.plan(scans)
+    ranks, steps = plan.ranks, plan.steps
+    if not len(ranks) or not len(steps):  # nothing to distribute
+        return analyze_run(path, cfg)
+    blocks = consistency.rank_blocks(len(ranks), len(steps))
+    parts = step_parts(len(ranks), len(steps))
+    rank_meta = read_rank_meta(path)
+    roles = {r: m["role"] for r, m in rank_meta.items() if m.get("role") is not None}
+    groups = Groups.of(ranks, roles or None)
+
+    say(f"load: {len(ranks)} ranks x {len(steps)} steps in {len(blocks)} rank blocks and {len(parts)} step parts "
+        f"on {len(ray.nodes())} node(s)")
+    block_files = [[names[i] for i, s in enumerate(scans) if s is not None and
+                    np.any((s.ranks >= ranks[b][0]) & (s.ranks <= ranks[b][-1]))] for b in blocks]  # fmt: skip
+    loads = [remote["_load"].options(num_returns=1 + len(parts)).remote(fs, plan, ranks[b], parts)
+             for fs, b in zip(block_files, blocks, strict=True)]  # fmt: skip
+    say("step stage")
+    step_refs = [remote["_step"].options(num_returns=1 + len(blocks)).remote(blocks, groups, cfg,
+                                                                          *[ld[1 + p] for ld in loads])
+                 for p in range(len(parts))]  # fmt: skip
+    say("consistency")
+    r1 = [remote["_round1"].options(num_returns=2).remote(cfg, *[sr[1 + b] for sr in step_refs])
+          for b in range(len(blocks))]  # fmt: skip
+    sc = consistency.combine1(ray.get([r[0] for r in r1]), cfg)
+    sc = consistency.combine2(ray.get([remote["_round2"].remote(r[1], sc, cfg) for r in r1]), sc, cfg)
+    found_blocks = ray.get([remote["_round3"].remote(r[1], sc, cfg, b.start) for r, b in zip(r1, blocks, strict=True)])
+    found = [f for fb in found_blocks for f in fb]
+    never = np.ones(len(ranks), dtype=bool)
+    never[[col for col, _, _ in found]] = False
+    say("healthy stage")
+    healthy = ray.get([remote["_healthy"].remote(rows, found, never, groups, *[ld[1 + p] for ld in loads])
+                       for p, rows in enumerate(parts)])  # fmt: skip
+    stats_times = ray.get([sr[0] for sr in step_refs])
+    stats = _concat_stats([s for s, _ in stats_times])
+    health = HealthyStats(np.concatenate([h.ref_h for h in healthy]), np.concatenate([h.ref_job for h in healthy]),
+                          np.concatenate([h.peer_phase for h in healthy]))  # fmt: skip
+    job = {"ref_h": health.ref_h, "top1": stats.top1, "top1_at": stats.top1_at, "top2": stats.top2,
+           "peer_phase": health.peer_phase}  # fmt: skip
+    job_ref = ray.put(job)
+    say("describe")
+    described = ray.get([remote["_describe"].remote(b, steps, ranks, fb, groups, job_ref, cfg, r[1],
+                                                    *[ld[1 + p] for p in range(len(parts))])
+                         for b, fb, r, ld in zip(blocks, found_blocks, r1, loads, strict=True)])  # fmt: skip
+    summaries = ray.get([ld[0] for ld in loads])
+    thresholds = consistency.thresholds(sc, cfg)
+    empty = np.zeros((0, 0))
+    result = verdict(ranks, steps, [s for _, d in described for s in d], stats, health, groups, cfg, thresholds,
+                     empty, empty.astype(bool))  # fmt: skip
+    figures = RankFigures(
+        ranks,
+        {c: np.concatenate([s["medians"][c] for s in summaries]) for c in RANK_COLUMNS},
+        np.concatenate([d[0] for d in described]) if described else np.zeros(0),
+        np.concatenate([s["steps"] for s in summaries]) if summaries else np.zeros(0, dtype=int),
+    )
+    last_idx = np.concatenate([s["last"] for s in summaries]) if summaries else np.zeros(0, dtype=int)
+    last = {int(r): int(steps[i]) for r, i in zip(ranks.tolist(), last_idx.tolist(), strict=True) if i >= 0}
+    times = (steps, np.concatenate([t[0] for _, t in stats_times]), np.concatenate([t[1] for _, t in stats_times]))
+    mat = StepMatrix(ranks, steps, {})
+    return finish(path, figures, result, rank_meta, times, last, plan, Analysis(None, mat, result))  # type: ignore[arg-type]
+
+
+def _concat_stats(parts: list[StepStats]) -> StepStats:
+    return StepStats(*(np.concatenate([getattr(p, f) for p in parts]) for f in StepStats.__dataclass_fields__))
+
+
+def stderr_progress(stage: str) -> None:
+    if sys.stderr.isatty():
+        print(f"ray: {stage}", file=sys.stderr)

@@ -1,0 +1,274 @@
+"""Assemble the analysis report of a run: load, detect, summarise.
+
+The report's schema (``stragglerwatch-report/1``) is typed in ``reportschema.py``: ``build_report``
+makes a :class:`~stragglerwatch.analysis.reportschema.Report`, and ``Analysis.report`` is its JSON object,
+which the text and HTML renderers, the CLI and the dashboard share. ``busy_unavailable`` not
+empty means no straggler verdict is given: comparing busy times that still hold communication
+would blame the wrong ranks.
+
+The local engine reads the run with ``runmatrix`` (two passes over the files, the values straight
+into steps x ranks arrays) and detects with ``detect``; ``rayengine.py`` runs the same stages on a
+cluster and ends in :func:`finish`, like this one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from stragglerwatch.analysis import runmatrix
+from stragglerwatch.analysis.codeprofile import locate, needed_ranks
+from stragglerwatch.analysis.detect import MATRIX_COLUMNS, StepMatrix, Verdict, detect, matrix_from_columns
+from stragglerwatch.analysis.explain import StepTimes, explain, span
+from stragglerwatch.analysis.hangs import hangs_from_events
+from stragglerwatch.analysis.reportschema import (
+    REPORT_SCHEMA,
+    Attempt,
+    CodeSite,
+    ContextSignal,
+    Events,
+    GroupEntry,
+    RankRow,
+    Report,
+    StragglerEntry,
+    Unavailable,
+)
+from stragglerwatch.analysis.stages import last_rows, nanmedian, rank_medians
+from stragglerwatch.analysis.thresholds import DetectConfig
+from stragglerwatch.record.codelog import load_code
+from stragglerwatch.record.context import load_context
+from stragglerwatch.record.events import read_events
+from stragglerwatch.record.rundir import read_rank_meta, read_run_meta
+from stragglerwatch.record.schema import PHASE_COLUMNS
+from stragglerwatch.record.steplog import run_files, world_size
+
+#: The per-rank medians of the report's ``ranks`` rows.
+RANK_COLUMNS = ("step_s", "busy_s", "comm_wait_s", *PHASE_COLUMNS)
+
+__all__ = ["REPORT_SCHEMA", "Analysis", "analyze_run", "build_report"]
+
+
+@dataclass
+class Analysis:
+    report: dict[str, Any]
+    matrix: StepMatrix
+    verdict: Verdict
+    context: pd.DataFrame | None = None  # the run's host and GPU context samples (``context.py``)
+    typed: Report | None = None  # ``report`` before it became JSON (None for an op-level trace)
+
+
+def _num(x: float, digits: int = 6) -> float | None:
+    return None if x is None or not math.isfinite(x) else round(float(x), digits)
+
+
+@dataclass
+class RankFigures:
+    """Per rank (in rank order): what the report's ``ranks`` rows say of it."""
+
+    ranks: np.ndarray
+    medians: dict[str, np.ndarray]  # column -> median, ms
+    slowdown: np.ndarray  # median busy time over its group's healthy reference
+    steps: np.ndarray  # steps recorded
+
+    @classmethod
+    def of(cls, mat: StepMatrix, verdict: Verdict) -> RankFigures:
+        return cls(mat.ranks, rank_medians(mat.values, RANK_COLUMNS), nanmedian(verdict.slowdown, axis=0),
+                   np.sum(~np.isnan(mat.values["busy_s"]), axis=0))  # fmt: skip
+
+
+def rank_rows(figures: RankFigures, verdict: Verdict, rank_meta: dict[int, dict]) -> list[RankRow]:
+    """Per-rank medians (ms), slowdown vs peers and flag, in rank order."""
+    flagged = {s.rank for s in verdict.stragglers}
+    rows = []
+    for j, rank in enumerate(figures.ranks.tolist()):
+        meta = rank_meta.get(rank, {})
+        medians = {c.replace("_s", "_ms"): _num(v[j], 3) for c, v in figures.medians.items()}
+        rows.append(RankRow(rank=rank, host=meta.get("host"), role=meta.get("role"), steps=int(figures.steps[j]),
+                            **medians, slowdown=_num(figures.slowdown[j], 4), flagged=rank in flagged))  # fmt: skip
+    return rows
+
+
+def build_report(
+    figures: RankFigures,
+    verdict: Verdict,
+    run_meta: dict | None,
+    rank_meta: dict[int, dict],
+    context: pd.DataFrame | None = None,
+    step_times: StepTimes | None = None,
+    code: pd.DataFrame | None = None,
+) -> Report:
+    world = int(run_meta["world_size"]) if run_meta else len(figures.ranks)
+    hosts = {r: m.get("host") for r, m in rank_meta.items()}
+    unavailable = busy_unavailable(rank_meta)
+    stragglers = []
+    for s in [] if unavailable else verdict.stragglers:
+        window = span(step_times, s.first_step, s.last_step) if step_times is not None else None
+        stragglers.append(StragglerEntry(
+            rank=s.rank, cause=s.cause, slowdown=s.slowdown, first_step=s.first_step, last_step=s.last_step,
+            detected_step=s.detected_step, lost_seconds=_num(s.lost_seconds, 4), excess_ms=s.excess_ms,
+            episodes=[list(e) for e in s.episodes], host=hosts.get(s.rank),
+            lost_gpu_seconds=_num(s.lost_seconds * world, 3),
+            time_span=[round(t, 3) for t in window] if window else None, where=s.where, gap_ms=s.gap_ms,
+        ))  # fmt: skip
+    roles = {r: m.get("role") for r, m in rank_meta.items()}
+    if context is not None and step_times is not None and stragglers:
+        for entry, found in zip(stragglers, explain(context, stragglers, step_times, roles), strict=True):
+            entry.context = [ContextSignal(**c) for c in found]
+    if step_times is not None and stragglers:
+        for entry, located in zip(stragglers, locate(code, stragglers, step_times, roles), strict=True):
+            entry.code, entry.code_note = [CodeSite(**c) for c in located["code"]], located["note"]
+    for entry in stragglers:
+        entry.hints = hints(entry.cause, entry.where)
+    report = Report(
+        run_id=run_meta.get("run_id") if run_meta else None,
+        world_size=world,
+        ranks_seen=len(figures.ranks),
+        steps=len(verdict.steps),
+        first_step=int(verdict.steps[0]) if len(verdict.steps) else None,
+        last_step=int(verdict.steps[-1]) if len(verdict.steps) else None,
+        job_seconds=_num(verdict.job_seconds, 4),
+        ideal_seconds=_num(verdict.ideal_seconds, 4),
+        job_slowdown=_num(verdict.job_slowdown, 4),
+        lost_seconds=_num(verdict.lost_seconds, 4),
+        lost_gpu_seconds=_num(verdict.lost_seconds * world, 3),
+        communication_bound=verdict.communication_bound,
+        comm_fraction=_num(verdict.comm_fraction, 4),
+        stragglers=stragglers,
+        busy_unavailable=unavailable,
+        group_imbalance=[] if unavailable else [GroupEntry(g.group, g.ranks, g.slowdown) for g in verdict.groups],
+        hangs=[],
+        thresholds={k: _num(v, 4) for k, v in verdict.thresholds.items()},
+        ranks=rank_rows(figures, verdict, rank_meta),
+    )
+    if unavailable:  # every figure that compares busy times would be a guess
+        report.ideal_seconds = report.job_slowdown = report.lost_seconds = report.lost_gpu_seconds = None
+        report.communication_bound = report.comm_fraction = None
+        for row in report.ranks:
+            row.slowdown, row.flagged = None, False
+    return report
+
+
+def hints(cause: str, where: str | None) -> list[str]:
+    """What to try when the excess lies in untimed time (``stages.where_excess``)."""
+    if where is None:
+        return []
+    if cause == "data":
+        return ["no fetch is timed, so its data wait is the untimed gap before the forward (with whatever "
+                "else the loop does there): mark the fetch (get_batch = watch.data(get_batch), or with "
+                "watch.data(): ...) or wrap the loader (watch.wrap(loader)) to time it exactly"]
+    return [f"its extra time is untimed code {where}: if the loop fetches data there, mark the fetch "
+            "(get_batch = watch.data(get_batch), or with watch.data(): ...) to count it as data wait; "
+            "the code locations say what else runs there"]
+
+
+def busy_unavailable(rank_meta: dict[int, dict]) -> list[Unavailable]:
+    """Why busy time cannot be trusted, from the ranks' metadata."""
+    by_reason: dict[str, list[int]] = {}
+    for rank, meta in sorted(rank_meta.items()):
+        for reason in meta.get("busy_unavailable") or []:
+            by_reason.setdefault(str(reason), []).append(rank)
+    return [Unavailable(reason, ranks) for reason, ranks in by_reason.items()]
+
+
+def analyze_run(
+    run_dir: str | os.PathLike[str],
+    config: DetectConfig | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Analysis:
+    """Load a run dir, detect, and build the report (raises ``RunDirError``)."""
+    path, _, files = run_files(run_dir)
+    done = [0]
+
+    def tick() -> None:
+        done[0] += 1
+        if progress:
+            progress(done[0], 2 * len(files))
+
+    scans = []
+    for f in files:
+        scans.append(runmatrix.scan_file(f))
+        tick()
+    plan = runmatrix.plan(scans)
+    values = runmatrix.fill(files, plan, plan.ranks, tick)
+    start = values.pop("start_time")
+    mat = StepMatrix(plan.ranks, plan.steps, values)
+    times = step_times(mat.steps, start, mat.values["step_s"])
+    del start
+    rank_meta = read_rank_meta(path)
+    roles = {r: m["role"] for r, m in rank_meta.items() if m.get("role") is not None}
+    verdict = detect(mat, config, groups=roles or None)
+    return finish(path, RankFigures.of(mat, verdict), verdict, rank_meta, times, last_steps(mat), plan,
+                  Analysis(None, mat, verdict))  # type: ignore[arg-type]  # fmt: skip
+
+
+def finish(
+    path: Path,
+    figures: RankFigures,
+    verdict: Verdict,
+    rank_meta: dict[int, dict],
+    times: StepTimes,
+    last: dict[int, int],
+    plan: runmatrix.StepPlan,
+    analysis: Analysis,
+    context: pd.DataFrame | None = None,
+) -> Analysis:
+    """The report of a detected run (every engine): context (``context``, or the run dir's),
+    hangs, events, attempts."""
+    run_meta = read_run_meta(path)
+    world_size(path, run_meta, set(plan.ranks.tolist()))  # warns of ranks that recorded nothing
+    context = load_context(path) if context is None else context
+    roles = {r: m.get("role") for r, m in rank_meta.items()}
+    code = load_code(path, needed_ranks(verdict.stragglers, plan.ranks.tolist(), roles)) if verdict.stragglers else None
+    report = build_report(figures, verdict, run_meta, rank_meta, context if len(context) else None, times, code)
+    report.run_dir = str(path)
+    events, bad = read_events(path)
+    report.hangs = hangs_from_events(events, report.world_size or 0, last)
+    _native_dumps(path, report.hangs)
+    report.events = Events(len(events), bad)
+    report.attempts = [Attempt(**a) for a in plan.attempts]
+    analysis.typed, analysis.report = report, report.to_dict()
+    analysis.context = context if len(context) else None
+    return analysis
+
+
+def step_times(steps: np.ndarray, start: np.ndarray, step_s: np.ndarray) -> StepTimes:
+    """(step, start, end) of every step (Unix seconds; the median over its ranks)."""
+    return steps, nanmedian(start, axis=1), nanmedian(start + step_s, axis=1)
+
+
+def _native_dumps(run_dir: Path, hangs: list[dict[str, Any]]) -> None:
+    """A culprit that never ran Python again (stuck holding the GIL, then killed) left only
+    faulthandler's dump in ``stacks-NNNNN.txt``: its last dump becomes its stacks."""
+    for hang in hangs:
+        for rank in hang.get("culprit_ranks", []):
+            if str(rank) in (hang.get("stacks") or {}):
+                continue
+            try:
+                text = (run_dir / f"stacks-{int(rank):05d}.txt").read_text(encoding="utf-8", errors="replace")
+            except OSError:
+                continue
+            dumps = [d for d in text.split("Timeout (") if d.strip()]
+            if dumps:
+                hang.setdefault("stacks", {})[str(rank)] = {"faulthandler": "Timeout (" + dumps[-1][-20000:]}
+
+
+def empty_analysis() -> Analysis:
+    """The analysis of no run at all (``analyze --logs`` without a run dir)."""
+    mat = matrix_from_columns([], [], {c: [] for c in MATRIX_COLUMNS})
+    verdict = detect(mat)
+    report = build_report(RankFigures.of(mat, verdict), verdict, None, {})
+    report.world_size = None
+    return Analysis(report.to_dict(), mat, verdict, typed=report)
+
+
+def last_steps(mat: StepMatrix) -> dict[int, int]:
+    """The last step each rank recorded."""
+    rows = last_rows(mat.values["busy_s"])
+    return {int(r): int(mat.steps[i]) for r, i in zip(mat.ranks.tolist(), rows.tolist(), strict=True) if i >= 0}

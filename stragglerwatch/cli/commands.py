@@ -1,0 +1,447 @@
+"""The ``stragglerwatch`` command. Each subcommand only parses arguments and calls the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+from stragglerwatch._version import __version__
+from stragglerwatch.presentation.summary import rank_summary, render_summary
+from stragglerwatch.record.steplog import RunDirError, load_run
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+    print(f"stragglerwatch: warning: {message}", file=sys.stderr)
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    frame = load_run(args.run_dir)
+    summary = rank_summary(frame)
+    world = int(frame["world_size"].iloc[0]) if len(frame) else 0
+    if args.format == "json":
+        out = {
+            "world_size": world,
+            "steps": int(frame["step"].nunique()),
+            "ranks": [{"rank": int(rank), **row} for rank, row in summary.to_dict("index").items()],
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        print(render_summary(summary, world))
+    return 0
+
+
+class Progress:
+    """``n/total`` on one stderr line, only when stderr is a terminal and the work is large."""
+
+    def __init__(self, label: str, min_total: int = 32):
+        self.label = label
+        self.min_total = min_total
+        self.enabled = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total < self.min_total:
+            return
+        width = 30
+        fill = width * done // total
+        end = "\n" if done == total else ""
+        print(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {done}/{total}", end=end, file=sys.stderr)
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from stragglerwatch.analysis.report import analyze_run, empty_analysis
+    from stragglerwatch.analysis.thresholds import DetectConfig
+    from stragglerwatch.evidence.combine import add_flight_recorder, add_hang_verdict, add_pytorch_logs
+    from stragglerwatch.evidence.torchlogs import parse_files
+
+    if args.run_dir is None and not args.logs and args.fr is None:
+        print("stragglerwatch: error: give a RUN_DIR, --logs FILE..., --fr DIR, or several", file=sys.stderr)
+        return 2
+    config = DetectConfig(window=args.window, level_window=args.level_window, min_slowdown=args.min_slowdown,
+                          tolerance=args.tolerance, z=args.z, decision=args.decision)  # fmt: skip
+    if args.run_dir is not None and Path(args.run_dir).is_file():  # an op-level trace
+        from stragglerwatch.evidence.traces import TraceError, analyze_trace
+
+        if not args.meta:
+            print(f"stragglerwatch: error: {args.run_dir} is a file: a trace needs --meta META.yaml", file=sys.stderr)
+            return 2
+        try:
+            analysis = analyze_trace(args.run_dir, args.meta)
+        except TraceError as exc:
+            print(f"stragglerwatch: error: {exc}", file=sys.stderr)
+            return 2
+    elif args.run_dir is not None and args.engine == "ray":
+        from stragglerwatch.analysis.rayengine import RayEngineError, analyze_on_ray, stderr_progress
+
+        if args.format == "html":
+            print("stragglerwatch: error: --engine ray gives --format text or json (the HTML report's figures "
+                  "need every step of every rank in one process)", file=sys.stderr)  # fmt: skip
+            return 2
+        try:
+            analysis = analyze_on_ray(args.run_dir, config, address=args.address, progress=stderr_progress)
+        except RayEngineError as exc:
+            print(f"stragglerwatch: error: {exc}", file=sys.stderr)
+            return 2
+    elif args.run_dir is not None:
+        analysis = analyze_run(args.run_dir, config, progress=Progress("reading logs"))
+    else:
+        analysis = empty_analysis()
+    run_dir = args.run_dir is not None and not Path(args.run_dir).is_file()
+    if run_dir and analysis.report["steps"] == 0 and not (args.logs or args.fr) and not analysis.report["hangs"]:
+        print(f"stragglerwatch: error: {args.run_dir}: empty run (no step recorded yet)", file=sys.stderr)
+        return 2
+    if args.logs:
+        try:
+            add_pytorch_logs(analysis.report, parse_files(args.logs))
+        except ValueError as exc:
+            print(f"stragglerwatch: error: {exc}", file=sys.stderr)
+            return 2
+    try:
+        add_flight_recorder(analysis.report, args.fr)
+    except ValueError as exc:
+        print(f"stragglerwatch: error: --fr {exc}", file=sys.stderr)
+        return 2
+    add_hang_verdict(analysis.report)
+    if args.format == "json":
+        text = json.dumps(analysis.report, indent=2)
+    elif args.format == "html":
+        from stragglerwatch.presentation.htmlreport import render_html
+
+        text = render_html(analysis)
+        if args.out is None:
+            base = Path(args.run_dir or ".")
+            args.out = str(base.with_suffix(".html") if base.is_file() else base / "report.html")
+    else:
+        from stragglerwatch.presentation.render import render_text
+
+        text = render_text(analysis.report)
+    if args.out:
+        try:
+            Path(args.out).write_text(text + "\n")
+        except OSError as exc:
+            print(f"stragglerwatch: error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.out}", file=sys.stderr)
+    else:
+        print(text)
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from stragglerwatch.record.simulate import Injection, SimConfig, write_run
+
+    out = Path(args.out_dir)
+    if (out / "run.json").exists() and not args.force:
+        print(f"stragglerwatch: error: {out} already holds a run (use --force to overwrite)", file=sys.stderr)
+        return 2
+    try:
+        injections = [Injection.parse(t) for t in args.straggler]
+    except ValueError as exc:
+        print(f"stragglerwatch: error: {exc}", file=sys.stderr)
+        return 2
+    if args.ranks < 1 or args.steps < 1:
+        print("stragglerwatch: error: --ranks and --steps must be at least 1", file=sys.stderr)
+        return 2
+    cfg = SimConfig(
+        ranks=args.ranks, steps=args.steps, seed=args.seed, step_ms=args.step_ms, comm_ms=args.comm_ms,
+        noise=args.noise, drift=args.drift, spike_prob=args.spike_prob, spike_mag=args.spike_mag,
+        injections=injections, groups=args.groups, offset=args.offset, spike_tail=args.spike_tail,
+        stall_every=args.stall_every, stall_mag=args.stall_mag, host_noise=args.host_noise,
+        rank_drift=args.rank_drift, drift_steps=args.drift_steps, bootstrap=args.bootstrap or "",
+    )  # fmt: skip
+    try:
+        write_run(out, cfg, progress=Progress("writing ranks"))
+    except (ValueError, OSError) as exc:
+        print(f"stragglerwatch: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.ranks} ranks x {args.steps} steps to {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_prometheus_config(args: argparse.Namespace) -> int:
+    from stragglerwatch.presentation.promrules import installed_rules, render_config
+    from stragglerwatch.record.rundir import read_run_meta
+
+    run = Path(args.run_dir).resolve()
+    meta = read_run_meta(run)
+    if meta is None:
+        print(f"stragglerwatch: error: {run}: not a stragglerwatch run dir (no readable run.json)", file=sys.stderr)
+        return 2
+    sd_dir = Path(args.sd_dir or os.environ.get("STRAGGLERWATCH_SD_DIR") or run).resolve()
+    pattern = (
+        str(sd_dir / f"stragglerwatch-{meta['run_id']}-*.json")
+        if not args.all_runs
+        else str(sd_dir / "stragglerwatch-*.json")
+    )
+    rules = [str(Path(r).resolve()) for r in args.rules] or [str(installed_rules())]
+    print(render_config([pattern], rules, args.scrape_interval), end="")
+    return 0
+
+
+def _add_prometheus_config(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prometheus-config",
+        help="print a prometheus.yml that scrapes a run's ranks (file_sd) with stragglerwatch's rules",
+        description="Print a complete prometheus.yml: a scrape job over the file_sd target files the ranks of "
+        "RUN_DIR publish (attach(..., prometheus_port=P)), and rule_files pointing at the rules installed with "
+        "stragglerwatch. Use it as is: prometheus --config.file=prometheus.yml",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run dir (its run.json names the run)")
+    p.add_argument("--sd-dir", help="where the target files are (default $STRAGGLERWATCH_SD_DIR or RUN_DIR)")
+    p.add_argument("--all-runs", action="store_true", help="scrape every run's targets in the SD dir")
+    p.add_argument("--scrape-interval", default="15s", help="scrape and rule evaluation interval (default 15s)")
+    p.add_argument("--rules", action="append", default=[], metavar="FILE",
+                   help="rule files to load instead of the installed ones (repeatable)")  # fmt: skip
+    p.set_defaults(func=cmd_prometheus_config)
+
+
+def cmd_grafana(args: argparse.Namespace) -> int:
+    from stragglerwatch.presentation.grafana import main as write_grafana
+
+    return write_grafana([args.out_dir])
+
+
+def _add_grafana(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "grafana",
+        help="write the Grafana dashboards, their provisioning and a Docker Compose setup into a folder",
+        description="Write into OUT_DIR the files of the repository's grafana/ folder, generated from the installed "
+        "package: dashboards/ (stragglerwatch.json: one run; stragglerwatch-overview.json: all runs), "
+        "provisioning/ (the dashboards and a Prometheus data source), docker-compose.yml, compose/prometheus.yml "
+        "and prometheus/stragglerwatch.rules.yml. Existing files of those names are overwritten.",
+    )
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write (created if missing)")
+    p.set_defaults(func=cmd_grafana)
+
+
+def _add_dashboard(sub: argparse._SubParsersAction) -> None:
+    from stragglerwatch.cli.dashboard import run_dashboard
+    from stragglerwatch.cli.demo import run_demo
+
+    p = sub.add_parser(
+        "dashboard",
+        help="live dashboard of a run dir (followed as the job writes it) or of a Prometheus",
+        description="Serve the live Dash dashboard: verdict banner, rank x step heatmap, per-rank phase breakdown, "
+        "a rank's busy time against its peers, watchdog events and a sortable per-rank table. The data source "
+        "is fixed at start-up. Binds 127.0.0.1 unless --host says otherwise.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", nargs="?", help="a run dir (may still be empty)")
+    p.add_argument("--prometheus", metavar="URL", help="read a live Prometheus instead (needs --run)")
+    p.add_argument("--run", metavar="RUN_ID", help="the run id (the `run` label) to show from Prometheus")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8050, help="port (default 8050)")
+    p.add_argument("--refresh-ms", type=int, default=500, help="browser refresh period (default 500)")
+    p.set_defaults(func=run_dashboard)
+
+    d = sub.add_parser(
+        "demo",
+        help="run a 4-rank CPU DDP job with an injected straggler under the live dashboard",
+        description="Run a small CPU DDP job (torchrun, gloo) with an injected straggler (and optionally a stall), "
+        "open the live dashboard on it, print its URL, and print the analysis when the job ends. The dashboard "
+        "then stays up until Ctrl-C (or exit at once with --exit).",
+    )
+    d.add_argument("--ranks", type=int, default=4, help="ranks (default 4)")
+    d.add_argument("--steps", type=int, default=600, help="steps (default 600, about half a minute)")
+    d.add_argument("--slow-rank", type=int, default=2, help="the straggler (default 2)")
+    d.add_argument("--slowdown", type=float, default=0.02, help="its extra seconds a step (default 0.02)")
+    d.add_argument("--cause", choices=("compute", "data", "optimizer", "other"), default="compute",
+                   help="what is slow (default compute)")  # fmt: skip
+    d.add_argument("--from-step", type=int, default=50, help="onset (default 50)")
+    d.add_argument("--hang", action="store_true", help="also make another rank stall 8 s halfway")
+    d.add_argument("--run-dir", help="run dir (default stragglerwatch-runs/demo-<time>)")
+    d.add_argument("--host", default="127.0.0.1", help="dashboard bind address (default 127.0.0.1)")
+    d.add_argument("--port", type=int, default=8050, help="dashboard port (default 8050)")
+    d.add_argument("--prometheus", action="store_true", help="also export metrics and run a local Prometheus")
+    d.add_argument("--metrics-port", type=int, default=19400, help="first rank's /metrics port (default 19400)")
+    d.add_argument("--prometheus-port", type=int, default=9090, help="local Prometheus port (default 9090)")
+    d.add_argument("--exit", action="store_true", help="exit after the report instead of serving until Ctrl-C")
+    d.set_defaults(func=run_demo)
+
+
+def _add_analyze(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "analyze",
+        help="find consistently slow ranks, their cause and what they cost (text, JSON or HTML report)",
+        description="Analyse a run dir: which ranks are consistently slower than their peers (busy time = "
+        "step minus exposed communication and evaluation, compared per step with the median of the peers), since when, "
+        "why (data, compute, optimizer, other), and what they cost the job (what-if: each step without "
+        "the excess of the slowest rank; job slowdown S = actual / ideal time).",
+    )
+    p.add_argument(
+        "run_dir", metavar="RUN_DIR", nargs="?", help="a run dir written by stragglerwatch.attach() or simulate"
+    )
+    p.add_argument("--logs", nargs="+", metavar="FILE", default=[],
+                   help="torchrun/worker log files to read PyTorch's own failure messages from (NCCL watchdog "
+                   "and heartbeat timeouts, gloo timeouts, monitoredBarrier, torchrun's ChildFailedError): "
+                   "the report names the first failing rank and collective")  # fmt: skip
+    p.add_argument("--fr", metavar="DIR",
+                   help="PyTorch Flight Recorder dumps of the job's ranks (a directory, searched recursively, or "
+                   "one file): torch's pickles ($TORCH_FR_DUMP_TEMP_FILE<rank>, written on an NCCL watchdog "
+                   "timeout) or JSON (_dump_fr_trace_json, the debug server's fr_trace_json); the report names "
+                   "the first collective not entered by every rank, the missing or late ranks, mismatched "
+                   "operations and each rank's last completed collective. Without --fr, the dumps our watchdog "
+                   "wrote into RUN_DIR at a stall are read")  # fmt: skip
+    p.add_argument("--meta", metavar="META.yaml",
+                   help="with RUN_DIR being an op-level trace (Parquet, one row per op per worker): its "
+                   "parallel layout; adds the what-if job slowdown and its attribution to workers, stages, op "
+                   "types")  # fmt: skip
+    p.add_argument("--format", choices=("text", "json", "html"), default="text",
+                   help="text (default): verdict and per-rank table; json: one object (see README); "
+                   "html: self-contained report with figures (default file RUN_DIR/report.html)")  # fmt: skip
+    p.add_argument("--out", metavar="FILE", help="write the report to FILE instead of stdout")
+    p.add_argument("--window", type=int, default=16,
+                   help="steps a slowdown must persist over: the short median (default 16)")  # fmt: skip
+    p.add_argument("--level-window", type=int, default=64,
+                   help="steps of the level median and of each rank's own baseline (default 64)")  # fmt: skip
+    p.add_argument("--min-slowdown", type=float, default=0.06,
+                   help="smallest change of a rank's busy time that is flagged (default 0.06 = 6%%)")  # fmt: skip
+    p.add_argument("--tolerance", type=float, default=0.05,
+                   help="a rank up to this much slower than its peers from the start is healthy hardware "
+                   "variation, never flagged (default 0.05)")  # fmt: skip
+    p.add_argument("--z", type=float, default=5.0,
+                   help="noise margin of the level test in standard errors (default 5)")  # fmt: skip
+    p.add_argument("--decision", type=float, default=14.0,
+                   help="evidence the change test needs, in nats of log-likelihood ratio between a 6%% and a "
+                   "2%% change (default 14); lower finds changes sooner, higher flags less")  # fmt: skip
+    p.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="where the analysis runs: local (this process, the default) or ray (tasks on a Ray "
+                   "cluster, for runs too large for one machine; same report; needs stragglerwatch[ray], the "
+                   "run dir on storage every node reads, and --format text or json)")  # fmt: skip
+    p.add_argument("--address", default=None,
+                   help="with --engine ray: the cluster to use, as ray.init takes it ('auto', 'ray://HOST:10001', "
+                   "HOST:6379); default: a local Ray started for this command, or RAY_ADDRESS")  # fmt: skip
+    p.set_defaults(func=cmd_analyze)
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="write a synthetic run dir (any number of ranks) with noise and injected stragglers",
+        description="Write a synthetic run dir in the real event-log format: N ranks x M steps with "
+        "per-step jitter, job-wide drift, transient spikes and injected stragglers; the all-reduce barrier "
+        "is modelled (every rank's step = busiest rank + transfer). The ground truth is kept in run.json.",
+    )
+    p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (created)")
+    p.add_argument("--ranks", type=int, required=True, help="world size")
+    p.add_argument("--steps", type=int, required=True, help="steps per rank")
+    p.add_argument("--straggler", action="append", default=[], metavar="RANK:SLOWDOWN[:ONSET[:CAUSE[:END]]]",
+                   help="inject a straggler, e.g. 7:0.2:500:data (20%% busier from step 500, data loading); "
+                   "causes: compute, data, optimizer, other; repeatable")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--step-ms", type=float, default=100.0, help="base busy time per step (default 100)")
+    p.add_argument("--comm-ms", type=float, default=10.0, help="all-reduce transfer time (default 10)")
+    p.add_argument("--noise", type=float, default=0.03, help="per-step per-rank relative jitter (default 0.03)")
+    p.add_argument("--drift", type=float, default=0.02, help="per-step job-wide relative jitter (default 0.02)")
+    p.add_argument("--spike-prob", type=float, default=0.002, help="chance of a transient spike (default 0.002)")
+    p.add_argument("--spike-mag", type=float, default=1.0, help="spike size x base step (default 1.0)")
+    p.add_argument("--groups", type=int, default=1, help="peer groups, e.g. pipeline stages (default 1)")
+    real = p.add_argument_group("noise of real clusters (all off by default)")
+    real.add_argument("--offset", type=float, default=0.0,
+                      help="persistent per-rank offsets, uniform in [-X, +X] (heterogeneous hardware)")  # fmt: skip
+    real.add_argument("--spike-tail", type=float, default=0.0,
+                      help="heavy-tailed spikes: Pareto shape (e.g. 1.5), same mean as --spike-mag")  # fmt: skip
+    real.add_argument("--stall-every", type=int, default=0, help="all ranks stall every N steps (GC, checkpoint)")
+    real.add_argument("--stall-mag", type=float, default=0.5, help="stall size x base step (default 0.5)")
+    real.add_argument("--host-noise", type=float, default=0.0, help="per-step jitter shared by a host's 8 ranks")
+    real.add_argument("--rank-drift", type=float, default=0.0,
+                      help="slow mean-reverting per-rank drift: its standard deviation (e.g. 0.02)")  # fmt: skip
+    real.add_argument("--drift-steps", type=int, default=3000, help="... its correlation time in steps (default 3000)")
+    real.add_argument(
+        "--bootstrap",
+        metavar="CSV",
+        help="resample per-step noise from real healthy runs (as benchmarks/record_noise.py writes)",
+    )
+    p.add_argument("--force", action="store_true", help="overwrite an existing run in OUT_DIR")
+    p.set_defaults(func=cmd_simulate)
+
+
+def _add_control(sub: argparse._SubParsersAction) -> None:
+    def run(args: argparse.Namespace) -> int:
+        from stragglerwatch.runtime.controlfile import command
+        from stragglerwatch.runtime.controlspec import ControlError
+
+        try:
+            return command(args.run_dir, args.set, args.rank, args.wait)
+        except ControlError as exc:
+            print(f"stragglerwatch: error: {exc}", file=sys.stderr)
+            return 2
+
+    p = sub.add_parser(
+        "control",
+        help="change a running job's recording, watchdog threshold or flush interval, or show who did",
+        description="Change settings of the ranks of a running job without a restart, through the run dir "
+        "(works with every torch; with a torch that has the debug server, attach(debug_server_port=P) also "
+        "gives a page to do it). With --set, append a request to RUN_DIR/control.json: each rank looks at it "
+        "every control_interval_s (1 s), applies it and answers in control-ack-NNNNN.json; the command waits "
+        "up to --wait seconds for the answers. Without --set, show the latest requests and which ranks "
+        "applied, refused or have not answered them. Requests made before a rank attached are not applied.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run dir of the running job")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="recording=on|off, watchdog_timeout_s=SECONDS|auto, flush_interval_s=SECONDS "
+                   "(repeatable; all applied or none)")  # fmt: skip
+    p.add_argument("--rank", type=int, help="only this rank (default: every rank)")
+    p.add_argument("--wait", type=float, default=5.0, metavar="SECONDS",
+                   help="how long to wait for the ranks' answers after --set (default 5; 0: do not wait)")  # fmt: skip
+    p.set_defaults(func=run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stragglerwatch",
+        description="Find the slow and the stuck ranks of PyTorch DDP training jobs.",
+        epilog="Record a run with stragglerwatch.attach(model) in the training script; "
+        "then inspect its run dir with the commands above.",
+    )
+    parser.add_argument("--version", action="version", version=f"stragglerwatch {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser(
+        "summary",
+        help="per-rank table of a run: median step, busy and phase times, busy time vs peers",
+        description="Print one row per rank of a run dir: median step time, busy time "
+        "(step minus exposed communication and evaluation: the straggler signal) and phase times in ms, "
+        "and the rank's busy time relative to the median of its peers.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run dir written by stragglerwatch.attach()")
+    p.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
+    p.set_defaults(func=cmd_summary)
+    _add_analyze(sub)
+    _add_simulate(sub)
+    _add_prometheus_config(sub)
+    _add_grafana(sub)
+    _add_dashboard(sub)
+    _add_control(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    warnings.showwarning = _show_warning
+    try:
+        return args.func(args)
+    except RunDirError as exc:
+        print(f"stragglerwatch: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("stragglerwatch: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:  # a bug of ours, or an input no check foresaw: one line, not a traceback
+        if os.environ.get("STRAGGLERWATCH_DEBUG"):
+            raise
+        print(f"stragglerwatch: error: {type(exc).__name__}: {exc} (STRAGGLERWATCH_DEBUG=1 shows where)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

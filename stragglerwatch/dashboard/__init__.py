@@ -1,6 +1,0 @@
-"""The live Dash dashboard: ``create_app(source)`` over a run dir or a Prometheus source."""
-
-from .app import create_app
-from .sources import PrometheusSource, RunDirSource, Snapshot
-
-__all__ = ["PrometheusSource", "RunDirSource", "Snapshot", "create_app"]

@@ -1,0 +1,182 @@
+"""Plotly figures of an analysis: pure functions (matrix, verdict in; figure out), shared by
+the HTML report and the dashboard. Large runs are aggregated here, on the server side:
+no figure carries more than ``MAX_CELLS`` heatmap cells or ``MAX_POINTS`` points a line."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import numpy as np
+import plotly.graph_objects as go
+
+from stragglerwatch.analysis.detect import StepMatrix, Verdict, nanmedian
+
+MAX_RANK_ROWS = 256
+MAX_STEP_COLS = 400
+MAX_POINTS = 1500
+MAX_BARS = 64
+PHASES = (
+    ("data_wait_s", "data wait", "#8c564b"),
+    ("forward_s", "forward", "#1f77b4"),
+    ("backward_s", "backward", "#2ca02c"),
+    ("allreduce_wait_s", "all-reduce wait", "#c7c7c7"),
+    ("collective_wait_s", "other collectives", "#e3e3e3"),
+    ("eval_s", "evaluation", "#bcbd22"),
+    ("optimizer_s", "optimizer", "#9467bd"),
+    ("other_s", "other", "#ff7f0e"),
+)
+
+
+def _bins(n: int, most: int) -> np.ndarray:
+    """Start index of each of at most ``most`` contiguous bins over ``n`` items."""
+    return np.unique(np.linspace(0, n, num=min(n, most) + 1, dtype=int)[:-1]) if n else np.zeros(0, dtype=int)
+
+
+def _reduce(a: np.ndarray, starts: np.ndarray, axis: int, how: str) -> np.ndarray:
+    if len(starts) == a.shape[axis]:
+        return a
+    with np.errstate(all="ignore"):
+        if how == "max":
+            filled = np.where(np.isnan(a), -np.inf, a)
+            out = np.maximum.reduceat(filled, starts, axis=axis)
+            return np.where(np.isinf(out), np.nan, out)
+        counts = np.add.reduceat(~np.isnan(a), starts, axis=axis)
+        sums = np.add.reduceat(np.nan_to_num(a), starts, axis=axis)
+        return sums / np.where(counts == 0, np.nan, counts)
+
+
+def _nanquantiles(a: np.ndarray, qs: tuple[float, ...]) -> list[np.ndarray]:
+    """Per row, each quantile of the finite values (linear between order statistics, as numpy's
+    default); NaN for a row with none. One sort for all of them, no per-row loop."""
+    if not a.shape[1]:
+        return [np.full(a.shape[0], np.nan) for _ in qs]
+    ordered = np.sort(a, axis=1)  # NaNs last
+    n = np.sum(~np.isnan(a), axis=1)
+    rows = np.arange(a.shape[0])
+    out = []
+    for q in qs:
+        pos = q * np.maximum(n - 1, 0)
+        lo = np.floor(pos).astype(np.int64)
+        hi = np.minimum(lo + 1, np.maximum(n - 1, 0))
+        frac = pos - lo
+        value = ordered[rows, lo] + frac * (ordered[rows, hi] - ordered[rows, lo])
+        out.append(np.where(n > 0, value, np.nan))
+    return out
+
+
+def heatmap(mat: StepMatrix, verdict: Verdict) -> go.Figure:
+    """Rank x step slowdown vs peers (busy / reference). Steps binned by mean, ranks by max
+    (a single slow rank in a bin of ranks stays visible)."""
+    z = verdict.slowdown
+    sb = _bins(z.shape[0], MAX_STEP_COLS)
+    rb = _bins(z.shape[1], MAX_RANK_ROWS)
+    z = _reduce(_reduce(z, sb, 0, "mean"), rb, 1, "max").T
+    ranks = mat.ranks[rb] if len(rb) else mat.ranks
+    label = "rank" if len(rb) == len(mat.ranks) else "first rank of bin"
+    # scale to the stragglers, not to one-step spikes
+    zmax = min(3.0, max([1.3] + [1.1 * s.slowdown for s in verdict.stragglers]))
+    fig = go.Figure(
+        go.Heatmap(
+            z=z, x=mat.steps[sb] if len(sb) else mat.steps, y=[str(r) for r in ranks],
+            zmin=0.5, zmid=1.0, zmax=zmax,
+            colorscale="RdBu_r", colorbar={"title": "busy / peers"},
+            hovertemplate=f"step %{{x}}<br>{label} %{{y}}<br>slowdown %{{z:.2f}}<extra></extra>",
+        )
+    )  # fmt: skip
+    fig.update_layout(title="Slowdown vs peers (rank x step)", xaxis_title="step", yaxis_title=label,
+                      yaxis={"type": "category"}, margin={"t": 50})  # fmt: skip
+    return fig
+
+
+def breakdown(mat: StepMatrix, verdict: Verdict, rows: list[dict] | None = None) -> go.Figure:
+    """Per-rank stacked median phase times; at most ``MAX_BARS`` ranks (flagged and busiest).
+    ``rows``: the report's ``ranks`` rows, whose medians are used instead of computed again."""
+    if rows is not None and len(rows) == len(mat.ranks):
+        medians = {c: np.array([np.nan if r[c[:-2] + "_ms"] is None else r[c[:-2] + "_ms"] for r in rows])
+                   for c in ("busy_s", *(p[0] for p in PHASES))}  # fmt: skip
+    else:
+        medians = {c: nanmedian(mat.values[c], axis=0) * 1000.0 for c in ("busy_s", *(p[0] for p in PHASES))}
+    busy = medians["busy_s"]
+    flagged = {s.rank for s in verdict.stragglers}
+    order = sorted(range(len(mat.ranks)), key=lambda j: (mat.ranks[j] not in flagged, -np.nan_to_num(busy[j])))
+    keep = sorted(order[:MAX_BARS], key=lambda j: mat.ranks[j])
+    x = [f"{'*' if mat.ranks[j] in flagged else ''}{mat.ranks[j]}" for j in keep]
+    fig = go.Figure()
+    for col, name, color in PHASES:
+        fig.add_bar(x=x, y=medians[col][keep], name=name, marker_color=color)
+    title = "Median step anatomy per rank (ms)"
+    if len(keep) < len(mat.ranks):
+        title += f" — {len(keep)} of {len(mat.ranks)} ranks: flagged and busiest"
+    fig.update_layout(barmode="stack", title=title, xaxis_title="rank (* flagged)", yaxis_title="ms",
+                      xaxis={"type": "category"}, margin={"t": 50})  # fmt: skip
+    return fig
+
+
+def busy_band(mat: StepMatrix, verdict: Verdict, ranks: list[int] | None = None) -> go.Figure:
+    """Busy time of the chosen (default: flagged) ranks against their peers' 10-90% band."""
+    busy = mat.values["busy_s"] * 1000.0
+    if ranks is None:
+        ranks = [s.rank for s in verdict.stragglers][:8]
+    cols = [int(np.searchsorted(mat.ranks, r)) for r in ranks if r in set(mat.ranks.tolist())]
+    healthy = np.where(verdict.flags, np.nan, busy)
+    if cols:
+        healthy[:, cols] = np.nan
+    sb = _bins(busy.shape[0], MAX_POINTS)
+    x = mat.steps[sb] if len(sb) else mat.steps
+    # the peers' band of their busy time over each bin of steps (a step when there are few)
+    lo, med, hi = _nanquantiles(_reduce(healthy, sb, 0, "mean") if len(sb) else healthy, (0.1, 0.5, 0.9))
+    fig = go.Figure()
+    fig.add_scatter(x=x, y=hi, line={"width": 0}, showlegend=False, hoverinfo="skip")
+    fig.add_scatter(x=x, y=lo, fill="tonexty", fillcolor="rgba(31,119,180,0.2)", line={"width": 0},
+                    name="peers 10-90%")  # fmt: skip
+    fig.add_scatter(x=x, y=med, line={"color": "#1f77b4"}, name="peers median")
+    for j in cols:
+        fig.add_scatter(x=x, y=_reduce(busy[:, j : j + 1], sb, 0, "mean")[:, 0], name=f"rank {mat.ranks[j]}")
+    fig.update_layout(title="Busy time (ms): step minus exposed communication and evaluation", xaxis_title="step",
+                      yaxis_title="ms", margin={"t": 50})  # fmt: skip
+    shown = np.concatenate([hi, *(busy[:, j] for j in cols)]) if len(hi) else np.zeros(0)
+    if np.isfinite(shown).any():  # a stall of seconds must not flatten milliseconds: clip, zoom out to see it
+        typical, top = np.nanpercentile(shown, 99), np.nanmax(shown)
+        if top > 3 * typical:
+            fig.update_yaxes(range=[0, 1.3 * typical], title="ms (spikes clipped: zoom out)")
+    return fig
+
+
+def empty(text: str) -> go.Figure:
+    """A blank figure that says why it is blank."""
+    fig = go.Figure()
+    fig.update_layout(
+        annotations=[{"text": text, "showarrow": False, "font": {"size": 14}, "xref": "paper", "yref": "paper"}],
+        xaxis={"visible": False},
+        yaxis={"visible": False},
+        margin={"t": 30},
+    )
+    return fig
+
+
+EVENT_COLORS = {"stall": "#d62728", "recovery": "#2ca02c", "sigterm": "#9467bd", "exception": "#8c564b",
+                "closed": "#7f7f7f"}  # fmt: skip
+
+
+def events_timeline(events: list[dict]) -> go.Figure:
+    """Watchdog and shutdown events over wall-clock time, one row per rank."""
+    shown = [e for e in events if e.get("kind") in EVENT_COLORS]
+    if not shown:
+        return empty("no watchdog event: no rank stalled")
+    fig = go.Figure()
+    for kind, color in EVENT_COLORS.items():
+        evs = [e for e in shown if e["kind"] == kind]
+        if not evs:
+            continue
+        fig.add_scatter(
+            x=[datetime.fromtimestamp(e.get("detected_at", 0), tz=timezone.utc) for e in evs],
+            y=[str(e["rank"]) for e in evs],
+            mode="markers",
+            marker={"color": color, "size": 12, "symbol": "diamond"},
+            name=kind,
+            text=[f"step {e.get('step')}, {e.get('phase')}, waited {e.get('waited_s', '-')} s" for e in evs],
+            hovertemplate="rank %{y}<br>%{x}<br>%{text}<extra>" + kind + "</extra>",
+        )
+    fig.update_layout(title="Watchdog events", xaxis_title="time (UTC)", yaxis_title="rank",
+                      yaxis={"type": "category"}, margin={"t": 50})  # fmt: skip
+    return fig

@@ -1,0 +1,132 @@
+"""Self-contained HTML report: verdict, verdict table, and the figures of ``figures.py``
+(plotly.js inlined once, so the file opens offline)."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from stragglerwatch._extras import require
+
+# plotly is the extra ``dashboard``'s: without it, one clear line instead of a traceback
+require("the HTML report (analyze --format html)", "plotly")
+
+from stragglerwatch.analysis.report import Analysis  # noqa: E402
+from stragglerwatch.presentation import figures  # noqa: E402
+from stragglerwatch.presentation.ctxfigure import context_figure  # noqa: E402
+from stragglerwatch.presentation.hangrender import flight_recorder_lines, hang_verdict_lines  # noqa: E402
+from stragglerwatch.presentation.render import code_text, context_text, hang_line, verdict_lines  # noqa: E402
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
+h1 { font-size: 1.5em; } .verdict { background: #fff4e5; border-left: 4px solid #ff7f0e; padding: .6em 1em; }
+.verdict.ok { background: #eef7ee; border-color: #2ca02c; } .verdict p { margin: .3em 0; }
+table { border-collapse: collapse; margin: 1em 0; } td, th { border: 1px solid #ccc; padding: .25em .6em; }
+th { background: #f3f3f3; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+"""
+
+
+def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
+    head = "".join(f"<th>{html.escape(title)}</th>" for _, title in columns)
+    body = []
+    for row in rows:
+        cells = []
+        for key, _ in columns:
+            value = row.get(key)
+            num = isinstance(value, (int, float)) and not isinstance(value, bool)
+            text = "still slow" if value is None and key == "last_step" else ("" if value is None else value)
+            cells.append(f"<td class='num'>{text}</td>" if num else f"<td>{html.escape(str(text))}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def render_html(analysis: Analysis) -> str:
+    report, mat, verdict = analysis.report, analysis.matrix, analysis.verdict
+    ok = not (report["stragglers"] or report["hangs"] or report["group_imbalance"] or report.get("busy_unavailable"))
+    verdict_html = "".join(f"<p>{html.escape(line)}</p>" for line in verdict_lines(report))
+    parts = [
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>",
+        f"<title>stragglerwatch: {html.escape(str(report.get('run_id')))}</title><style>{STYLE}</style></head><body>",
+        f"<h1>stragglerwatch report: run {html.escape(str(report.get('run_id')))}</h1>",
+        f"<p>{report['ranks_seen']} of {report['world_size']} ranks, {report['steps']} steps, "
+        f"job slowdown S = {'unavailable' if report['job_slowdown'] is None else report['job_slowdown']}</p>",
+        f"<div class='verdict{' ok' if ok else ''}'>{verdict_html}</div>",
+    ]
+    if report["stragglers"]:
+        parts.append("<h2>Stragglers</h2>")
+        parts.append(
+            _table(
+                [{**s, "why": context_text(s), "code": code_text(s), "cause": s["cause"] + (
+                    f" ({s['where']})" if s.get("where") else "")} for s in report["stragglers"]],
+                [
+                    ("rank", "rank"),
+                    ("host", "host"),
+                    ("cause", "cause"),
+                    ("slowdown", "busy vs peers"),
+                    ("first_step", "since step"),
+                    ("last_step", "until step"),
+                    ("detected_step", "detected at"),
+                    ("lost_seconds", "time lost (s)"),
+                    ("lost_gpu_seconds", "GPU-s lost"),
+                    ("why", "host and GPU context"),
+                    ("code", "where in the code"),
+                ],
+            )  # fmt: skip
+        )
+    if report["hangs"]:
+        parts.append("<h2>Hangs</h2>")
+        for h in report["hangs"]:
+            parts.append(f"<p>{html.escape(hang_line(h))}</p>")
+            for rank, stacks in (h.get("stacks") or {}).items():
+                for thread, stack in stacks.items():
+                    parts.append(f"<details><summary>rank {rank}: {html.escape(thread)}</summary>")
+                    parts.append(f"<pre>{html.escape(stack)}</pre></details>")
+    evidence = hang_verdict_lines(report) + flight_recorder_lines(report)
+    if evidence:
+        parts.append("<h2>Hang verdict and PyTorch's evidence</h2>")
+        parts.append("<pre>" + html.escape("\n".join(evidence).strip("\n")) + "</pre>")
+    if "attribution" in report:
+        parts.append(f"<h2>What-if replay: S = {report['job_slowdown']} ({html.escape(report['whatif_verdict'])})</h2>")
+        for key, cols in (("workers", [("rank", "rank"), ("dp_rank", "dp rank"), ("stage", "stage"),
+                                       ("slowdown", "S with only its durations real")]),
+                          ("stages", [("stage", "stage"), ("slowdown", "S with only its durations real")]),
+                          ("optypes", [("optype", "op type"), ("slowdown", "S with only it real")])):  # fmt: skip
+            parts.append(_table(report["attribution"][key], cols))
+    if report["group_imbalance"]:
+        parts.append("<h2>Group imbalance</h2>")
+        parts.append(_table(report["group_imbalance"], [("group", "group"), ("slowdown", "busy vs other groups")]))
+    figs = [figures.heatmap(mat, verdict), figures.breakdown(mat, verdict, report["ranks"])]
+    if report["stragglers"]:
+        figs.append(figures.busy_band(mat, verdict))
+        if analysis.context is not None:
+            rank = report["stragglers"][0]["rank"]
+            spans = [tuple(s["time_span"]) for s in report["stragglers"] if s["rank"] == rank and s["time_span"]]
+            figs.append(context_figure(analysis.context, rank, spans))
+    for i, fig in enumerate(figs):
+        parts.append(fig.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False))
+    parts.append("<h2>Per rank</h2>")
+    parts.append(
+        _table(
+            report["ranks"][:1024],
+            [
+                ("rank", "rank"),
+                ("host", "host"),
+                ("role", "role"),
+                ("steps", "steps"),
+                ("step_ms", "step ms"),
+                ("busy_ms", "busy ms"),
+                ("data_wait_ms", "data"),
+                ("forward_ms", "fwd"),
+                ("backward_ms", "bwd"),
+                ("allreduce_wait_ms", "all-reduce wait"),
+                ("collective_wait_ms", "other collectives"),
+                ("eval_ms", "eval"),
+                ("optimizer_ms", "opt"),
+                ("other_ms", "other"),
+                ("slowdown", "vs peers"),
+                ("flagged", "flagged"),
+            ],
+        )  # fmt: skip
+    )
+    parts.append("</body></html>")
+    return "\n".join(parts)

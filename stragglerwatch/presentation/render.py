@@ -1,0 +1,250 @@
+"""Text rendering of an analysis report (a dict, see ``analysis.py``): verdict first,
+then the per-rank table, in 80 columns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stragglerwatch.analysis.codeprofile import NO_SAMPLES, describe_site
+from stragglerwatch.presentation.hangrender import flight_recorder_lines, hang_verdict_lines
+
+MAX_TABLE_ROWS = 16
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _steps(s: dict[str, Any]) -> str:
+    pauses = len(s.get("episodes") or []) - 1
+    paused = f", with {pauses} short pause{'s' if pauses > 1 else ''}" if pauses > 0 else ""
+    if s["last_step"] is None:
+        return f"since step {s['first_step']} (still slow at the end{paused})"
+    return f"from step {s['first_step']} to step {s['last_step']}" + (f" ({paused[2:]})" if paused else "")
+
+
+def code_text(s: dict[str, Any]) -> str:
+    """Where in the code a straggler's excess lies, or why that is not known."""
+    sites = s.get("code") or []
+    if not sites:
+        note = s.get("code_note")
+        return f"not located ({note})" if note and note != NO_SAMPLES else ""
+    total = sum(c["excess_ms"] for c in sites) / max(sum(c["share"] for c in sites), 1e-9)
+    parts = [f"{c['share']:.0%} at {describe_site(c)}" for c in sites]
+    return f"of its extra {total:.1f} ms/step, " + "; ".join(parts)
+
+
+def verdict_lines(report: dict[str, Any]) -> list[str]:
+    """The verdict in a few sentences; shared by the text report and the dashboard banner."""
+    lines = []
+    stragglers = report["stragglers"]
+    unavailable = report.get("busy_unavailable") or []
+    for u in unavailable:
+        lines.append(f"busy time unavailable: {u['reason']} (rank {_ranks(u['ranks'])}).")
+    if unavailable:
+        lines.append("no straggler verdict: busy times that still hold communication cannot be compared.")
+    elif stragglers:
+        n = len(stragglers)
+        lines.append(f"{n} straggler{'s' if n > 1 else ''}:")
+        for s in stragglers:
+            excess = s["excess_ms"].get(s["cause"], 0.0)
+            where = f"{s['where']}, " if s.get("where") else ""
+            lines.append(
+                f"  rank {s['rank']} is {s['slowdown']:.2f}x as busy as its peers {_steps(s)}; "
+                f"cause: {s['cause']} ({where}+{excess:.1f} ms/step); cost {_duration(s['lost_seconds'])} "
+                f"({s['lost_gpu_seconds']:.0f} GPU-s)"
+            )
+            why = context_text(s)
+            if why:
+                lines.append(f"    why: {why}")
+            code = code_text(s)
+            if code:
+                lines.append(f"    code: {code}")
+            lines += [f"    try: {h}" for h in s.get("hints") or []]
+    else:
+        lines.append("no consistently slow rank.")
+    attempts = report.get("attempts") or []
+    if len(attempts) > 1:
+        starts = ", ".join(f"restart {a['restart']}" + (f" (attach {a['attach']})" if a["attach"] else "")
+                           + f" from step {a['first_step']}" for a in attempts[1:])  # fmt: skip
+        lines.append(f"{len(attempts)} attempts, steps numbered on across them: {starts}.")
+    for g in report.get("group_imbalance", []):
+        lines.append(f"group imbalance: {g['group']} (ranks {_ranks(g['ranks'])}) is {g['slowdown']:.2f}x as busy")
+    for h in report.get("hangs", []):
+        lines.append(hang_line(h))
+    if report["communication_bound"]:
+        lines.append(
+            f"communication-bound: even the busiest rank waits {report['comm_fraction']:.0%} of each step "
+            "in communication (no rank straggles; the network or collective is the limit)."
+        )
+    if unavailable:
+        return lines
+    ideal = ("if every op took its typical time (what-if replay)" if "whatif_verdict" in report
+             else "if every rank ran at its peers' median")  # fmt: skip
+    lines.append(
+        f"job slowdown S = {report['job_slowdown']:.3f}: {_duration(report['job_seconds'])} actual vs "
+        f"{_duration(report['ideal_seconds'])} {ideal} "
+        f"({_duration(report['lost_seconds'])} lost to stragglers and jitter, {report['lost_gpu_seconds']:.0f} GPU-s)"
+    )
+    return lines
+
+
+def context_text(straggler: dict[str, Any]) -> str:
+    """What its host and GPU context say about a straggler (``explain.py``), in one sentence; "" if nothing."""
+    return "; ".join(f["text"] for f in straggler.get("context") or [])
+
+
+_BASIS_TEXT = {
+    "collective counts": " (by the collectives each rank issued)",
+    "started counts": " (by the collectives each rank's GPU started)",
+    "completed counts": " (by the collectives each rank completed)",
+    "device progress": " (by where each rank's GPU is: inside a collective or not)",
+}
+
+
+def hang_line(h: dict[str, Any]) -> str:
+    """One sentence on a hang: who, where, who waited, what became of it."""
+    culprits = _ranks(h.get("culprit_ranks", [])) or "none identified"
+    kind = "job went down" if h.get("evidence") == "shutdown" else "stall"
+    text = f"{kind} at step {h.get('step')}: culprit rank(s) {culprits} in {h.get('phase')}"
+    if h.get("silent_ranks"):
+        text += f" (silent: {_ranks(h['silent_ranks'])}, dead or stuck in native code)"
+    if h.get("victim_ranks"):
+        text += f"; waiting for it in a collective: {_ranks(h['victim_ranks'])}"
+    text += _BASIS_TEXT.get(str(h.get("basis")), "")
+    if h.get("undecided"):
+        text += f"; undecided: {str(h.get('detail', ''))[:400]}"
+    if h.get("mismatch_suspected"):
+        text += "; the culprits are themselves blocked in a collective: one the others never issue (mismatch)?"
+    if h.get("waited_s"):
+        text += f"; noticed after {h['waited_s']:.1f} s"
+    if h.get("ended"):
+        reason = (h["ended"].get("reasons") or ["?"])[0]
+        text += f"; the job went down while it lasted ({reason[:120]})"
+    elif h.get("evidence") != "shutdown":
+        text += "; it recovered" if h.get("recovered") else "; no recovery recorded"
+    return text + "."
+
+
+def main_stack(stacks: dict[str, str], lines: int = 8) -> str:
+    """The last lines of the main thread's stack (where the culprit is stuck); of a faulthandler
+    dump (most recent call first), the first lines of the thread that runs ``<module>``."""
+    if "faulthandler" in stacks:
+        blocks = stacks["faulthandler"].split("\n\n")
+        main_block = next((b for b in blocks if "<module>" in b), blocks[-1]).strip().splitlines()
+        return "\n".join(["(stuck in native code holding the GIL; most recent call first)", *main_block[1 : lines + 1]])
+    main = next((v for k, v in stacks.items() if k.startswith("MainThread")), None)
+    if main is None and stacks:
+        main = next(iter(stacks.values()))
+    return "\n".join((main or "").rstrip().splitlines()[-lines:])
+
+
+def whatif_lines(report: dict[str, Any], width: int = 80) -> list[str]:
+    """The what-if replay of an op-level trace (``analyze TRACE --meta``)."""
+    if "whatif_verdict" not in report:
+        return []
+    att = report["attribution"]
+    head = (f"what-if replay: S = {report['job_slowdown']:.2f} ({report['whatif_verdict']}); "
+            "S with only one part's durations real (compute and transfers):")  # fmt: skip
+    lines = ["", *_wrap(head, width)]
+    workers = ", ".join(f"rank {w['rank']} (dp {w['dp_rank']}, stage {w['stage']}) {w['slowdown']:.2f}"
+                        for w in att["workers"][:3])  # fmt: skip
+    stages = ", ".join(f"stage {s['stage']} {s['slowdown']:.2f}" for s in att["stages"])
+    ops = ", ".join(f"{o['optype']} {o['slowdown']:.2f}" for o in att["optypes"])
+    for text in (f"  workers: {workers}", f"  stages: {stages}", f"  op types: {ops}"):
+        lines += _wrap(text, width)
+    return lines
+
+
+def pytorch_log_lines(report: dict[str, Any], width: int = 80, most: int = 12) -> list[str]:
+    """What PyTorch's own log messages say (``analyze --logs``)."""
+    if "log_events" not in report:
+        return []
+    events = report["log_events"]
+    lines = ["", f"PyTorch logs: {report['log_lines']} lines, {len(events)} failure messages "
+             f"({report['log_skipped_lines']} other lines skipped)"]  # fmt: skip
+    first = report.get("first_failure")
+    if first:
+        label = "fingerprint SequenceNumber" if first.get("rule") == "collective mismatch" else "SeqNum"
+        what = " ".join(str(x) for x in (f"{label} {first['seq']}" if first.get("seq") is not None else None,
+                                         first.get("op")) if x)  # fmt: skip
+        who = _ranks(first.get("ranks") or [first.get("rank")])
+        lines += _wrap(f"  first failure: rank(s) {who}" + (f", collective {what}" if what else "")
+                       + f" (by {first.get('rule', first.get('kind'))}: {first.get('kind')}, line "
+                       f"{first.get('line_no')})" + (f"; it raised {first['error']}" if first.get("error") else ""),
+                       width)  # fmt: skip
+    for e in events[:most]:
+        fields = [f"{k}={e[k]}" for k in ("rank", "pg", "seq", "op", "timeout_ms", "ran_for_ms", "exit_code",
+                                          "signal", "peer", "error") if e.get(k) is not None]  # fmt: skip
+        lines += _wrap(f"  line {e['line_no']}: {e['kind']} " + " ".join(fields), width)
+    if len(events) > most:
+        lines.append(f"  ... {len(events) - most} more (--format json for all)")
+    return lines
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def _wrap(line: str, width: int) -> list[str]:
+    indent = len(line) - len(line.lstrip())
+    out, cur = [], ""
+    for word in line.split():
+        if cur and len(cur) + 1 + len(word) > width:
+            out.append(cur)
+            cur = " " * (indent + 2) + word
+        else:
+            cur = f"{cur} {word}" if cur else " " * indent + word
+    return out + [cur]
+
+
+def render_text(report: dict[str, Any], width: int = 80) -> str:
+    pytorch = [x for line in pytorch_log_lines(report, width) + flight_recorder_lines(report)
+               + hang_verdict_lines(report) for x in (_wrap(line, width) if line else [line])]  # fmt: skip
+    if not report["ranks_seen"] and not report.get("hangs"):  # PyTorch's evidence alone
+        return "\n".join(pytorch[1:])
+    head = (
+        f"run {report.get('run_id') or '?'}: {report['ranks_seen']} of {report['world_size']} ranks, "
+        f"{report['steps']} steps"
+    )
+    lines = [head, ""]
+    for line in verdict_lines(report):
+        lines += _wrap(line, width)
+    lines += whatif_lines(report, width)
+    lines += pytorch
+    for h in report.get("hangs", []):
+        for rank, stacks in (h.get("stacks") or {}).items():
+            lines += ["", f"rank {rank}, main thread, when the stall was noticed:"]
+            lines += ["  " + line[: width - 2] for line in main_stack(stacks).splitlines()]
+    lines += ["", "per rank (medians, ms; busy = step - exposed communication - eval):"]
+    lines.append(
+        f"{'rank':>6} {'step':>7} {'busy':>7} {'data':>6} {'fwd':>6} {'bwd':>6} {'comm':>7} "
+        f"{'opt':>5} {'other':>6} {'vs peers':>8}"
+    )
+    rows = report["ranks"]
+    if len(rows) > MAX_TABLE_ROWS:
+        ordered = sorted(rows, key=lambda r: (not r["flagged"], -(r["slowdown"] or r["busy_ms"] or 0)))
+        shown = sorted(ordered[:MAX_TABLE_ROWS], key=lambda r: r["rank"])
+    else:
+        shown = rows
+    for r in shown:
+        flag = " *" if r["flagged"] else ""
+        lines.append(
+            f"{r['rank']:>6} {_f(r['step_ms'], 7)} {_f(r['busy_ms'], 7)} {_f(r['data_wait_ms'], 6)} "
+            f"{_f(r['forward_ms'], 6)} {_f(r['backward_ms'], 6)} {_f(r.get('comm_wait_ms'), 7)} "
+            f"{_f(r['optimizer_ms'], 5)} {_f(r['other_ms'], 6)} {_f(r['slowdown'], 7, 2)}x{flag}"
+        )
+    if len(rows) > len(shown):
+        lines.append(f"  ... {len(rows) - len(shown)} more ranks (flagged and slowest shown; --format json for all)")
+    return "\n".join(lines)
+
+
+def _f(value: float | None, width: int, digits: int = 1) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"

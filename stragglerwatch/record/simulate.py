@@ -1,0 +1,327 @@
+"""Synthetic run dirs in the real event-log format, for tests, benchmarks and demos
+at scales a small machine cannot run for real.
+
+Model: each rank's busy time per step is a base step split into phases (data 5%,
+forward 30%, backward 55%, optimizer 5%, other 5%), scaled by a per-(step, rank)
+log-normal jitter (``noise``) and a per-step job-wide drift; transient spikes hit
+random (step, rank) cells; optionally the noise of real clusters (persistent per-rank
+offsets, heavy-tailed spikes, periodic job-wide stalls, noise shared by a host's ranks,
+slow per-rank drift, per-step residuals resampled from real healthy runs); an injected
+straggler adds ``slowdown`` x base to its cause's phase from ``onset`` to ``end``. The all-reduce barrier makes every
+rank's step the busiest rank's busy time plus the transfer time, so each rank's
+exposed wait is ``step - busy`` — the same arithmetic as a real run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from stragglerwatch.record.rundir import RunInfo, write_json_atomic
+from stragglerwatch.record.schema import GAP_COLUMNS, SCHEMA_VERSION, STEP_SCHEMA
+
+PHASE_SHARES = {"data_wait_s": 0.05, "forward_s": 0.30, "backward_s": 0.55, "optimizer_s": 0.05, "other_s": 0.05}
+CAUSE_PHASES = {"compute": ("forward_s", "backward_s"), "data": ("data_wait_s",),
+                "optimizer": ("optimizer_s",), "other": ("other_s",)}  # fmt: skip
+
+
+@dataclass
+class Injection:
+    """One injected straggler: ``rank`` is ``slowdown`` (0.2 = 20%) busier from ``onset``."""
+
+    rank: int
+    slowdown: float
+    onset: int = 0
+    cause: str = "compute"
+    end: int | None = None  # first healthy step again; None = until the end
+
+    @classmethod
+    def parse(cls, text: str) -> Injection:
+        """``RANK:SLOWDOWN[:ONSET[:CAUSE[:END]]]``, e.g. ``7:0.2:500:data``."""
+        parts = text.split(":")
+        if not 2 <= len(parts) <= 5:
+            raise ValueError(f"straggler {text!r}: expected RANK:SLOWDOWN[:ONSET[:CAUSE[:END]]]")
+        try:
+            rank, slowdown = int(parts[0]), float(parts[1])
+            onset = int(parts[2]) if len(parts) > 2 and parts[2] else 0
+            cause = parts[3] if len(parts) > 3 and parts[3] else "compute"
+            end = int(parts[4]) if len(parts) > 4 and parts[4] else None
+        except ValueError:
+            raise ValueError(f"straggler {text!r}: RANK, ONSET and END are integers, SLOWDOWN a number") from None
+        if cause not in CAUSE_PHASES:
+            raise ValueError(f"straggler {text!r}: cause must be one of {', '.join(CAUSE_PHASES)}")
+        return cls(rank, slowdown, onset, cause, end)
+
+
+@dataclass
+class SimConfig:
+    ranks: int
+    steps: int
+    seed: int = 0
+    step_ms: float = 100.0  # base busy time per step
+    comm_ms: float = 10.0  # pure transfer time of the all-reduce
+    noise: float = 0.03  # per-(step, rank) relative jitter (log-normal sigma)
+    drift: float = 0.02  # per-step job-wide relative variation
+    spike_prob: float = 0.002  # chance of a transient spike per (step, rank)
+    spike_mag: float = 1.0  # a spike adds this x base busy time (to "other")
+    injections: list[Injection] = field(default_factory=list)
+    groups: int = 1  # peer groups (e.g. pipeline stages): rank r is in group r * groups // ranks
+    # realistic noise, all off by default (drawn from a second generator: the above stay as they were)
+    offset: float = 0.0  # persistent per-rank relative offset, uniform in [-offset, +offset]: heterogeneous hardware
+    spike_tail: float = 0.0  # > 0: spike magnitudes Pareto-distributed with this shape (heavy tail)
+    stall_every: int = 0  # every N steps all ranks stall together (GC, checkpoint, evaluation)
+    stall_mag: float = 0.5  # ... by this x base busy time
+    host_noise: float = 0.0  # per-(step, host) relative jitter shared by the ranks of a host
+    ranks_per_host: int = 8
+    rank_drift: float = 0.0  # per-rank slow drift (mean-reverting, log scale): its standard deviation
+    drift_steps: int = 3000  # ... and its correlation time in steps (5 minutes of 100 ms steps)
+    bootstrap: str = ""  # file of real healthy per-step residuals (see ``read_residuals``) to resample
+    bootstrap_block: int = 25  # steps per resampled block (keeps the real runs' short-range correlation)
+
+
+@dataclass
+class JobSteps:
+    """What every rank of a job shares at each step, for a run simulated a block of ranks at a time:
+    the job-wide variation, the all-reduce's transfer time and the slowest rank's busy time."""
+
+    drift: np.ndarray
+    comm: np.ndarray
+    peak: np.ndarray
+
+
+def simulate_arrays(cfg: SimConfig, job: JobSteps | None = None) -> dict[str, np.ndarray]:
+    """Steps x ranks arrays of every column of the step log: every phase, ``busy_s``, ``step_s``
+    and ``comm_wait_s`` (here the gradient all-reduce's, the only collective simulated)."""
+    rng = np.random.default_rng(cfg.seed)
+    shape = (cfg.steps, cfg.ranks)
+    base = cfg.step_ms / 1000.0
+    scale = np.exp(cfg.noise * rng.standard_normal(shape, dtype=np.float32)).astype(np.float64)
+    drift = np.exp(cfg.drift * rng.standard_normal(cfg.steps))
+    scale *= (job.drift if job else drift)[:, None]
+    out = {col: base * share * scale for col, share in PHASE_SHARES.items()}
+    spikes = rng.random(shape, dtype=np.float32) < cfg.spike_prob
+    out["other_s"] += spikes * (cfg.spike_mag * base)
+    _realistic_noise(cfg, out, spikes, base)
+    for inj in cfg.injections:
+        if not 0 <= inj.rank < cfg.ranks:
+            raise ValueError(f"straggler rank {inj.rank} outside 0..{cfg.ranks - 1}")
+        rows = slice(max(0, inj.onset), inj.end)
+        phases = CAUSE_PHASES[inj.cause]
+        for col in phases:
+            out[col][rows, inj.rank] += inj.slowdown * base * PHASE_SHARES[col] / sum(PHASE_SHARES[c] for c in phases)
+    busy = sum(out[c] for c in PHASE_SHARES)
+    comm = cfg.comm_ms / 1000.0 * np.exp(cfg.noise * rng.standard_normal(cfg.steps))
+    step = np.maximum(busy.max(axis=1), job.peak) + job.comm if job else busy.max(axis=1) + comm
+    out["busy_s"] = busy
+    out["step_s"] = np.broadcast_to(step[:, None], shape).copy()
+    out["allreduce_wait_s"] = out["step_s"] - busy
+    out["comm_wait_s"] = out["allreduce_wait_s"]
+    out["collective_wait_s"] = np.zeros(shape)
+    out["eval_s"] = np.zeros(shape)
+    return out
+
+
+def _realistic_noise(cfg: SimConfig, out: dict[str, np.ndarray], spikes: np.ndarray, base: float) -> None:
+    """The noise of real clusters that independent jitter lacks (the fields of SimConfig after
+    ``groups``), applied in place; a generator of its own keeps the base simulation unchanged."""
+    if not (cfg.offset or cfg.spike_tail or cfg.stall_every or cfg.host_noise or cfg.rank_drift or cfg.bootstrap):
+        return
+    rng = np.random.default_rng([cfg.seed, 1])
+    steps, ranks = spikes.shape
+    factor = np.ones((steps, ranks))
+    if cfg.offset:
+        factor *= 1.0 + rng.uniform(-cfg.offset, cfg.offset, ranks)[None, :]
+    if cfg.host_noise:
+        hosts = np.arange(ranks) // max(1, cfg.ranks_per_host)
+        factor *= np.exp(cfg.host_noise * rng.standard_normal((steps, int(hosts[-1]) + 1)))[:, hosts]
+    if cfg.rank_drift:  # Ornstein-Uhlenbeck: wanders, but stays within a few standard deviations
+        phi = float(np.exp(-1.0 / max(1, cfg.drift_steps)))
+        kick = rng.standard_normal((steps, ranks)) * cfg.rank_drift * np.sqrt(1.0 - phi**2)
+        level = rng.standard_normal(ranks) * cfg.rank_drift
+        for s in range(steps):
+            level = phi * level + kick[s]
+            factor[s] *= np.exp(level)
+    if cfg.bootstrap:
+        factor *= np.exp(_resample(read_residuals(cfg.bootstrap), steps, ranks, cfg.bootstrap_block, rng))
+    for col in PHASE_SHARES:
+        out[col] *= factor
+    if cfg.spike_tail:  # replace the fixed spikes by heavy-tailed ones of the same mean
+        tail = (
+            cfg.spike_mag
+            * base
+            * (rng.pareto(cfg.spike_tail, size=spikes.shape) + 1)
+            * (cfg.spike_tail - 1)
+            / cfg.spike_tail
+        )
+        out["other_s"] += spikes * (tail - cfg.spike_mag * base)
+    if cfg.stall_every:
+        rows = np.arange(cfg.stall_every - 1, steps, cfg.stall_every)
+        jitter = np.exp(0.05 * rng.standard_normal((len(rows), ranks)))
+        out["other_s"][rows] += cfg.stall_mag * base * jitter
+
+
+def read_residuals(path: str | Path) -> np.ndarray:
+    """Steps x series of log residuals (a rank's busy time over its step's median across ranks) from a
+    CSV with one column per series, as written by ``benchmarks/record_noise.py``."""
+    try:
+        values = pd.read_csv(path).to_numpy(dtype=float)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"bootstrap residuals {path}: {exc}") from None
+    if values.ndim != 2 or values.shape[0] < 2 or not np.isfinite(values).any():
+        raise ValueError(f"bootstrap residuals {path}: no numeric columns of two steps or more")
+    return values
+
+
+def _resample(series: np.ndarray, steps: int, ranks: int, block: int, rng: np.random.Generator) -> np.ndarray:
+    """Steps x ranks: each rank a concatenation of random blocks of random real series (block bootstrap)."""
+    block = max(1, min(block, series.shape[0]))
+    out = np.empty((steps, ranks))
+    for start in range(0, steps, block):
+        n = min(block, steps - start)
+        cols = rng.integers(series.shape[1], size=ranks)
+        rows = rng.integers(series.shape[0] - n + 1, size=ranks)[None, :] + np.arange(n)[:, None]
+        out[start : start + n] = series[rows, cols[None, :]]
+    return np.nan_to_num(out - np.nanmedian(series))
+
+
+def to_frame(cfg: SimConfig, arrays: dict[str, np.ndarray] | None = None) -> pd.DataFrame:
+    """A ``load_run``-shaped frame of a simulation (no files), for the detection core."""
+    arrays = arrays or simulate_arrays(cfg)
+    steps, ranks = np.meshgrid(np.arange(cfg.steps), np.arange(cfg.ranks), indexing="ij")
+    frame = pd.DataFrame({"rank": ranks.ravel(), "step": steps.ravel()})
+    for col, values in arrays.items():
+        frame[col] = values.ravel()
+    frame["world_size"] = cfg.ranks
+    return frame
+
+
+#: Steps x ranks records simulated at once; a larger run is simulated a block of ranks at a time.
+BLOCK_RECORDS = 1 << 25
+
+
+def _rank_blocks(cfg: SimConfig) -> dict[int, int]:
+    """First rank -> size of each block of ranks simulated together (whole hosts)."""
+    if cfg.ranks * cfg.steps <= BLOCK_RECORDS:
+        return {0: cfg.ranks}
+    per_host = max(1, cfg.ranks_per_host)
+    size = max(per_host, BLOCK_RECORDS // cfg.steps // per_host * per_host)
+    return {lo: min(size, cfg.ranks - lo) for lo in range(0, cfg.ranks, size)}
+
+
+def _block_config(cfg: SimConfig, lo: int, size: int) -> SimConfig:
+    """The simulation of ranks ``lo:lo+size``: its own noise, the job's stragglers among them."""
+    injections = [replace(i, rank=i.rank - lo) for i in cfg.injections if lo <= i.rank < lo + size]
+    return replace(cfg, ranks=size, seed=cfg.seed * 1_000_003 + lo + 1, injections=injections)
+
+
+def _job_steps(cfg: SimConfig, blocks: dict[int, int]) -> JobSteps:
+    """The job's shared per-step values; the slowest rank's busy time over every block (each block is
+    simulated twice, so that no more than one is in memory)."""
+    for injection in cfg.injections:
+        if not 0 <= injection.rank < cfg.ranks:
+            raise ValueError(f"straggler rank {injection.rank} outside 0..{cfg.ranks - 1}")
+    rng = np.random.default_rng([cfg.seed, 2])
+    job = JobSteps(np.exp(cfg.drift * rng.standard_normal(cfg.steps)),
+                   cfg.comm_ms / 1000.0 * np.exp(cfg.noise * rng.standard_normal(cfg.steps)),
+                   np.zeros(cfg.steps))  # fmt: skip
+    for lo, size in blocks.items():
+        job.peak = np.maximum(job.peak, simulate_arrays(_block_config(cfg, lo, size), job)["busy_s"].max(axis=1))
+    return job
+
+
+def rank_table(arrays: dict[str, np.ndarray], rank: int, column: int, start_time: np.ndarray) -> pa.Table:
+    """Rank ``rank``'s step log (a ``STEP_SCHEMA`` table) from column ``column`` of simulated arrays."""
+    n = len(start_time)
+    empty_lists = {
+        name: pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, dtype=np.int32)), pa.array([], type=typ.value_type))
+        for name, typ in ((f.name, f.type) for f in STEP_SCHEMA if pa.types.is_list(f.type))
+    }
+    columns = {
+        "rank": pa.array(np.full(n, rank, dtype=np.int32)),
+        "step": pa.array(np.arange(n, dtype=np.int64)),
+        "start_time": pa.array(start_time),
+        "micro_batches": pa.array(np.ones(n, dtype=np.int32)),
+        "restart": pa.array(np.zeros(n, dtype=np.int32)),
+        "attach": pa.array(np.zeros(n, dtype=np.int32)),
+        "timing": pa.repeat(pa.scalar("host"), n),
+        **empty_lists,
+    }
+    for col, values in arrays.items():
+        columns[col] = pa.array(np.ascontiguousarray(values[:, column]))
+    for col in GAP_COLUMNS:  # a simulation does not say where its untimed time lay
+        columns.setdefault(col, pa.array(np.full(n, np.nan)))
+    return pa.Table.from_pydict({f.name: columns[f.name] for f in STEP_SCHEMA}, schema=STEP_SCHEMA)
+
+
+def write_run(out_dir: str | Path, cfg: SimConfig, progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write a complete run dir (run.json, rank-*.json, rank-*.parquet) for ``cfg``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    blocks = _rank_blocks(cfg)
+    job = _job_steps(cfg, blocks) if len(blocks) > 1 else None
+    arrays = simulate_arrays(cfg) if job is None else None
+    step = arrays["step_s"][:, 0] if arrays is not None else job.peak + job.comm  # type: ignore[union-attr]
+    t0 = time.time() - float(step.sum())
+    start_time = t0 + np.concatenate(([0.0], np.cumsum(step[:-1])))
+    run_id = f"sim-{out.resolve().name}"
+    sim = asdict(cfg)
+    write_json_atomic(
+        out / "run.json",
+        {"run_id": run_id, "world_size": cfg.ranks, "created": time.time(), "schema": "stragglerwatch-run",
+         "versions": {"schema": SCHEMA_VERSION}, "config": {"simulated": True}, "simulation": sim},
+    )  # fmt: skip
+    for rank in range(cfg.ranks):
+        if job is not None and rank in blocks:
+            arrays = simulate_arrays(_block_config(cfg, rank, blocks[rank]), job)
+        column = rank - (max(b for b in blocks if b <= rank) if job is not None else 0)
+        info = RunInfo(run_id, out, rank, rank % 8, cfg.ranks, f"sim-node-{rank // 8:04d}")
+        meta = {k: v for k, v in asdict(info).items() if k != "run_dir"}
+        if cfg.groups > 1:
+            meta["role"] = f"group{rank * cfg.groups // cfg.ranks}"
+        write_json_atomic(out / f"rank-{rank:05d}.json", {**meta, "device": "sim", "timing": "host"})
+        pq.write_table(rank_table(arrays, rank, column, start_time), out / f"rank-{rank:05d}.parquet")  # type: ignore[arg-type]
+        if progress:
+            progress(rank + 1, cfg.ranks)
+    return out
+
+
+class GrowingRun:
+    """A simulated run written as a live job writes it, for following it (tests, benchmarks): one
+    Arrow stream per rank (``rank-NNNNN.arrows``), grown by :meth:`flush` and compacted into Parquet
+    by :meth:`close`, as each rank's log does."""
+
+    def __init__(self, out_dir: str | Path, cfg: SimConfig):
+        self.out = Path(out_dir)
+        write_run(self.out, replace(cfg, steps=1, injections=[]))  # run.json and the ranks' metadata
+        for p in self.out.glob("rank-*.parquet"):
+            p.unlink()
+        arrays = simulate_arrays(cfg)
+        step = arrays["step_s"][:, 0]
+        start = time.time() + np.concatenate(([0.0], np.cumsum(step[:-1])))
+        self.tables = [rank_table(arrays, r, r, start) for r in range(cfg.ranks)]
+        self.sinks = [pa.OSFile(str(self.out / f"rank-{r:05d}.arrows"), "wb") for r in range(cfg.ranks)]
+        self.writers = [pa.ipc.new_stream(s, STEP_SCHEMA) for s in self.sinks]
+        self.written = [0] * cfg.ranks  # steps on disk, per rank
+
+    def flush(self, upto: int, ranks: Iterable[int] | None = None) -> None:
+        """Each of ``ranks`` (default: all) writes its steps up to ``upto`` (exclusive) in one batch."""
+        for r in range(len(self.tables)) if ranks is None else ranks:
+            if upto > self.written[r]:
+                self.writers[r].write_table(self.tables[r].slice(self.written[r], upto - self.written[r]))
+                self.sinks[r].flush()
+                self.written[r] = upto
+
+    def close(self) -> None:
+        """The end of the job: each stream closed and compacted into ``rank-NNNNN.parquet``."""
+        for r, (writer, sink) in enumerate(zip(self.writers, self.sinks, strict=True)):
+            writer.close()
+            sink.close()
+            pq.write_table(self.tables[r].slice(0, self.written[r]), self.out / f"rank-{r:05d}.parquet")
+            (self.out / f"rank-{r:05d}.arrows").unlink()

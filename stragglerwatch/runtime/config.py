@@ -1,0 +1,241 @@
+"""Everything ``attach`` can be told, in one place: :class:`Config`.
+
+Design: each field is an ``attach`` keyword argument of the same name; a few can also come
+from the job's environment (``STRAGGLERWATCH_*``), so a launcher can switch them on without
+touching the training script. An argument given to ``attach`` wins over the environment,
+which wins over the default. :meth:`Config.resolve` applies that order once, at attach
+time; nothing reads the environment afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from stragglerwatch.runtime.log import Problems
+
+#: Environment variable of each field that has one.
+ENV = {
+    "run_dir": "STRAGGLERWATCH_RUN_DIR",
+    "run_id": "STRAGGLERWATCH_RUN_ID",
+    "prometheus_port": "STRAGGLERWATCH_PROMETHEUS_PORT",
+    "prometheus_addr": "STRAGGLERWATCH_PROMETHEUS_ADDR",
+    "prometheus_mode": "STRAGGLERWATCH_PROMETHEUS_MODE",
+    "sd_dir": "STRAGGLERWATCH_SD_DIR",
+    "debug_server_port": "STRAGGLERWATCH_DEBUG_SERVER_PORT",
+    "debug_server_host": "STRAGGLERWATCH_DEBUG_SERVER_HOST",
+    "timing": "STRAGGLERWATCH_TIMING",
+    "code_sample_hz": "STRAGGLERWATCH_CODE_SAMPLE_HZ",
+}
+DISABLE_ENV = "STRAGGLERWATCH_DISABLE"
+#: Values of ``prometheus_mode``: the exporter's series (``exporter.py``'s docstring).
+MODES = ("full", "lean")
+#: Values of ``timing``: which clock times the phases (``devices.py``).
+TIMINGS = ("auto", "host", "cuda")
+#: The default and the highest rate of the code sampler (samples per second).
+CODE_HZ, MAX_CODE_HZ = 20.0, 200.0
+
+
+def _env_port(from_env: dict[str, Any], name: str, lowest: int, consequence: str, problems: Problems | None) -> None:
+    """``from_env[name]`` as a port number (at least ``lowest``); a value that is not one is reported and dropped."""
+    if name not in from_env:
+        return
+    try:
+        from_env[name] = int(from_env[name])
+        if not lowest <= from_env[name] < 65536:
+            raise ValueError
+    except ValueError:
+        if problems is not None:
+            problems.report("config", f"{ENV[name]}={from_env[name]!r} is not a port: {consequence}")
+        del from_env[name]
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """How one model is watched. Every field is also an ``attach`` keyword argument."""
+
+    run_dir: str | os.PathLike[str] | None = None
+    """Where all ranks write. Default: ``$STRAGGLERWATCH_RUN_DIR``, else
+    ``./stragglerwatch-runs/<run id>``."""
+
+    run_id: str | None = None
+    """The run's name in reports, Prometheus labels and target files (``$STRAGGLERWATCH_RUN_ID``).
+    Default: the run dir's name plus a suffix unique to the job, or the run id already in the run
+    dir's ``run.json`` (a restart continues its run)."""
+
+    optimizer: Any = None
+    """The optimizer whose ``step()`` ends a training step. Default: the last optimizer to step
+    in an iteration, learned from the first one. Every optimizer's ``step()`` is optimizer time."""
+
+    watchdog_timeout_s: float | None = None
+    """Seconds without progress before the watchdog records a stall. Default ``None`` adapts: 10x
+    the median recent step, at least 10 s (60 s until three steps are done); ``0`` turns it off."""
+
+    native_stacks: bool = True
+    """Also dump the stacks of a rank stuck in native code holding the GIL (which the watchdog
+    thread cannot do), with ``faulthandler`` on a timer into ``stacks-NNNNN.txt``. Turn it off
+    if the application arms ``faulthandler.dump_traceback_later`` itself (there is only one)."""
+
+    prometheus_port: int | None = None
+    """Serve ``/metrics`` on this port plus the local rank (``$STRAGGLERWATCH_PROMETHEUS_PORT``).
+    Default: no exporter."""
+
+    prometheus_addr: str | None = None
+    """The exporter's bind address (``$STRAGGLERWATCH_PROMETHEUS_ADDR``). Default ``0.0.0.0``."""
+
+    prometheus_mode: str | None = None
+    """Which series the exporter serves (``$STRAGGLERWATCH_PROMETHEUS_MODE``): ``"full"`` (the default:
+    histograms of step, busy and phase times, every context gauge; 237 series a CPU rank, 258 a GPU
+    rank, plus 3 to 7 of the code sampler) or ``"lean"`` (the same names as summaries without
+    buckets, only the context the dashboards show; 39 a CPU rank, 48 to 55 a GPU rank, plus the
+    code sampler's), for jobs of a thousand ranks and more. The shipped
+    rules and dashboards work with both."""
+
+    sd_dir: str | os.PathLike[str] | None = None
+    """Where the exporter writes its file_sd target file (``$STRAGGLERWATCH_SD_DIR``). Default:
+    the run dir."""
+
+    role: str | None = None
+    """This rank's peer group, e.g. ``"stage3"`` of a pipeline: ranks are compared only within it."""
+
+    bucket_timings: bool = False
+    """Also record each gradient bucket's ready time and all-reduce duration, through a DDP
+    communication hook (costs host time per bucket)."""
+
+    comm_hook: Any = None
+    """``(state, hook)``: your own DDP communication hook, registered and timed by stragglerwatch
+    (implies ``bucket_timings``; PyTorch allows one comm hook per model)."""
+
+    flush_interval_s: float = 1.0
+    """How often the log thread writes the finished steps (and the most a crash can lose)."""
+
+    fsync_interval_s: float = 10.0
+    """How often the step log is also fsynced: what a machine crash (not a process crash) can lose."""
+
+    context_interval_s: float = 1.0
+    """Seconds between two samples of the rank's host and GPU context (CPU pressure and steal, its
+    threads' scheduling, its data-loader workers, memory; the GPU's clocks, throttle reasons, heat,
+    power and errors through NVML), taken on a background thread into ``context-NNNNN.arrows``.
+    At least 1 s; ``0`` turns the sampler off."""
+
+    code_sample_hz: float | None = None
+    """How often a background thread looks at where in the code the training thread is
+    (``$STRAGGLERWATCH_CODE_SAMPLE_HZ``), so that ``analyze`` can name the code locations of a slow
+    rank's excess (``code-NNNNN.arrows``). Default 20 per second (its cost: README, "Overhead");
+    ``0`` turns it off; at most 200."""
+
+    debug_server_port: int | None = None
+    """Serve this rank's live state and runtime controls in PyTorch's debug server
+    (``$STRAGGLERWATCH_DEBUG_SERVER_PORT``; ``debugserver.py``): every rank starts a worker server on
+    an ephemeral port, and rank 0 the frontend on this port (``0``: an ephemeral one, logged), with the
+    page ``/stragglerwatch``. Default: none (opt-in)."""
+
+    debug_server_host: str | None = None
+    """The debug server's bind address, for the ranks' worker servers and rank 0's frontend
+    (``$STRAGGLERWATCH_DEBUG_SERVER_HOST``). Default ``127.0.0.1``: only this machine can connect;
+    give the node's address (on a trusted network) for a job of several nodes."""
+
+    control_interval_s: float = 1.0
+    """How often the rank looks (one ``stat``) for a new request in the run dir's ``control.json``,
+    written by ``stragglerwatch control RUN_DIR --set ...``; ``0`` turns the control file off."""
+
+    timing: str | None = None
+    """Which clock times the phases (``$STRAGGLERWATCH_TIMING``): ``"cuda"`` (events on the compute
+    stream, read lazily), ``"host"`` (``perf_counter``), or ``"auto"`` (the default): ``cuda`` when
+    the model computes on a GPU (its device mesh, DDP's device, any parameter or buffer on CUDA, or an
+    NCCL job's current device), else ``host``."""
+
+    close_timeout_s: float = 5.0
+    """The most ``close()`` (and exit) waits for the GPU to finish the last steps' events and for
+    the log thread; steps still unresolved then are counted (``unresolved_steps``) and recorded in
+    an ``unresolved`` event, never waited for."""
+
+    enabled: bool = True
+    """``False`` (or ``$STRAGGLERWATCH_DISABLE=1``) makes ``attach`` a no-op returning an inert handle."""
+
+    @classmethod
+    def resolve(
+        cls,
+        base: Config | None = None,
+        environ: Mapping[str, str] | None = None,
+        problems: Problems | None = None,
+        **given: Any,
+    ) -> Config:
+        """``base`` (or the defaults), then the environment, then the arguments ``given`` (those not
+        None). Raises :class:`ConfigError` for an argument that cannot be used; an environment
+        value that cannot is reported to ``problems`` and ignored (a typo in a launcher's
+        environment must not stop the job)."""
+        env = os.environ if environ is None else environ
+        config = base or cls()
+        from_env: dict[str, Any] = {}
+        for name, var in ENV.items():
+            value = env.get(var, "").strip()
+            if value and getattr(config, name) is None:
+                from_env[name] = value
+        _env_port(from_env, "prometheus_port", 1, "no exporter", problems)
+        if "prometheus_mode" in from_env:
+            from_env["prometheus_mode"] = from_env["prometheus_mode"].lower()
+            if from_env["prometheus_mode"] not in MODES:
+                if problems is not None:
+                    problems.report("config", f"{ENV['prometheus_mode']}={from_env['prometheus_mode']!r} is not "
+                                    "'full' or 'lean': the exporter serves the full series")  # fmt: skip
+                del from_env["prometheus_mode"]
+        _env_port(from_env, "debug_server_port", 0, "no debug server", problems)
+        if "timing" in from_env:
+            from_env["timing"] = from_env["timing"].lower()
+            if from_env["timing"] not in TIMINGS:
+                if problems is not None:
+                    problems.report("config", f"{ENV['timing']}={from_env['timing']!r} is not one of "
+                                    f"{', '.join(TIMINGS)}: timing is chosen automatically")  # fmt: skip
+                del from_env["timing"]
+        if "code_sample_hz" in from_env:
+            try:
+                from_env["code_sample_hz"] = float(from_env["code_sample_hz"])
+                if not 0 <= from_env["code_sample_hz"] <= MAX_CODE_HZ:
+                    raise ValueError
+            except ValueError:
+                if problems is not None:
+                    problems.report("config", f"{ENV['code_sample_hz']}={from_env['code_sample_hz']!r} is not a "
+                                    f"rate from 0 to {MAX_CODE_HZ:g}: the default rate is used")  # fmt: skip
+                del from_env["code_sample_hz"]
+        if env.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
+            from_env["enabled"] = False
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {unknown}")
+        explicit = {k: v for k, v in given.items() if v is not None}
+        if from_env.get("enabled") is False:
+            explicit.pop("enabled", None)
+        config = replace(config, **{**from_env, **explicit})
+        config.check()
+        return config
+
+    def check(self) -> None:
+        if self.flush_interval_s <= 0 or self.fsync_interval_s < 0:
+            raise ConfigError("flush_interval_s must be > 0 and fsync_interval_s >= 0")
+        if self.watchdog_timeout_s is not None and self.watchdog_timeout_s < 0:
+            raise ConfigError("watchdog_timeout_s must be >= 0 (0 turns the watchdog off)")
+        if self.context_interval_s != 0 and not self.context_interval_s >= 1.0:
+            raise ConfigError(f"context_interval_s must be >= 1 (or 0: no sampling), not {self.context_interval_s}")
+        if self.prometheus_port is not None and not 0 < int(self.prometheus_port) < 65536:
+            raise ConfigError(f"prometheus_port {self.prometheus_port} is not a port")
+        if self.debug_server_port is not None and not 0 <= int(self.debug_server_port) < 65536:
+            raise ConfigError(f"debug_server_port {self.debug_server_port} is not a port (0: an ephemeral one)")
+        if self.control_interval_s != 0 and not self.control_interval_s >= 0.1:
+            raise ConfigError(f"control_interval_s must be >= 0.1 (or 0: no control file), "
+                              f"not {self.control_interval_s}")
+        if self.timing is not None and self.timing not in TIMINGS:
+            raise ConfigError(f"timing must be one of {', '.join(TIMINGS)}, not {self.timing!r}")
+        if not self.close_timeout_s >= 0:
+            raise ConfigError(f"close_timeout_s must be >= 0, not {self.close_timeout_s}")
+        if self.code_sample_hz is not None and not 0 <= self.code_sample_hz <= MAX_CODE_HZ:
+            raise ConfigError(f"code_sample_hz must be from 0 (off) to {MAX_CODE_HZ:g}, not {self.code_sample_hz}")
+        if self.prometheus_mode is not None and self.prometheus_mode not in MODES:
+            raise ConfigError(f"prometheus_mode must be 'full' or 'lean', not {self.prometheus_mode!r}")

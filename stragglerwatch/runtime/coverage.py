@@ -1,0 +1,57 @@
+"""What of the signal stragglerwatch can see, and the reasons when it cannot.
+
+Design (DESIGN.md's contract): when a part of the signal cannot be measured, say so — a
+message once, the reason in the run metadata (``busy_unavailable`` in ``rank-NNNNN.json``),
+and "busy time unavailable: <reason>" in every report — never a silent "no straggler".
+Reasons known at attach time come from :func:`unseen_communication`; those found while
+training come from the probe and are written by :class:`UnavailableNotes` on the log thread.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from stragglerwatch.record.rundir import RunInfo, write_rank_meta
+from stragglerwatch.runtime.probes import StepProbe
+
+#: Model classes whose communication stragglerwatch does not see yet (by class name: none is imported).
+UNSEEN_WRAPPERS = {
+    "FullyShardedDataParallel": "FSDP (FullyShardedDataParallel): its all-gathers and reduce-scatters are not timed",
+    "DeepSpeedEngine": "DeepSpeed: its communication is not timed",
+}
+
+
+def unseen_communication(model: torch.nn.Module) -> str | None:
+    """Why the model's communication cannot be timed, when that is known at attach time."""
+    for cls in type(model).__mro__:
+        if cls.__name__ in UNSEEN_WRAPPERS:
+            return UNSEEN_WRAPPERS[cls.__name__]
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and getattr(getattr(dynamo, "config", None), "compiled_autograd", False):
+        return "compiled autograd is enabled: the gradient all-reduce wait is not seen"
+    return None
+
+
+class UnavailableNotes:
+    """Writes the reasons the probe found during training into the rank's metadata (log thread)."""
+
+    def __init__(self, info: RunInfo, rank_meta: dict[str, Any], probe: StepProbe):
+        self.info, self.rank_meta, self.probe = info, rank_meta, probe
+        self.written = 0  # of the probe's reasons
+
+    def __call__(self, records: list[Any]) -> None:
+        reasons = list(self.probe.unavailable.values())
+        if len(reasons) == self.written:
+            return
+        self.written = len(reasons)
+        known = self.rank_meta.setdefault("busy_unavailable", [])
+        known += [r for r in reasons if r not in known]
+        write_rank_meta(self.info, self.rank_meta)
+
+    def reasons(self) -> list[str]:
+        """Every reason known now (attach time and training), for the exporter and ``stats()``."""
+        known = list(self.rank_meta.get("busy_unavailable", []))
+        return known + [r for r in self.probe.unavailable.values() if r not in known]

@@ -1,0 +1,91 @@
+"""Stacks of a rank stuck in native code while it holds the GIL: then no Python thread runs, the
+watchdog's included, so :class:`NativeStacks` keeps ``faulthandler`` armed on a timer that the watchdog
+re-arms while it can; when the timer fires, every thread's stack goes to ``stacks-NNNNN.txt``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+class NativeStacks:
+    """Stacks of a rank stuck in native code holding the GIL, where no Python thread can run.
+
+    The watchdog thread re-arms ``faulthandler.dump_traceback_later`` about once a second with a
+    timeout of its stall threshold; if it cannot run that long (the GIL is held), faulthandler's
+    C thread writes every thread's stack to ``stacks-NNNNN.txt``. ``collect`` returns what a
+    dump added, once the rank runs again; if it never does, the file is the evidence.
+
+    A fork must not happen while the timer is armed: faulthandler's timer thread does not exist
+    in the child, and the child's exit (which cancels the timer) would wait for it forever. So
+    :meth:`before_fork` disarms it (holding the lock that arming takes, across the fork) and
+    :meth:`after_fork_in_parent` arms it again."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file: Any = None
+        self._armed_at = -1e9
+        self._timeout_s: float | None = None  # the timer armed now, if any
+        self._seen = 0
+        self._lock = threading.Lock()
+        self._rearm: float | None = None
+
+    def arm(self, timeout_s: float) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._armed_at < 1.0:
+                return
+            if self._file is None:
+                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - faulthandler writes to its fd
+                self._seen = self.path.stat().st_size
+            faulthandler.dump_traceback_later(timeout_s, repeat=False, file=self._file, exit=False)
+            self._armed_at, self._timeout_s = now, timeout_s
+
+    def collect(self) -> str | None:
+        if self._file is None:
+            return None
+        size = self.path.stat().st_size
+        if size <= self._seen:
+            return None
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            f.seek(self._seen)
+            text = f.read()
+        self._seen = size
+        return text
+
+    def _disarm(self) -> None:
+        if self._timeout_s is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._armed_at, self._timeout_s = -1e9, None
+
+    def pause(self) -> None:
+        """Disarm until the next ``arm`` (while the watchdog thread waits on purpose)."""
+        with self._lock:
+            self._disarm()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._disarm()
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def before_fork(self) -> None:
+        self._lock.acquire()
+        self._rearm = self._timeout_s
+        self._disarm()
+
+    def after_fork_in_parent(self) -> None:
+        try:
+            if self._rearm is not None and self._file is not None:
+                faulthandler.dump_traceback_later(self._rearm, repeat=False, file=self._file, exit=False)
+                self._armed_at, self._timeout_s = time.monotonic(), self._rearm
+        finally:
+            self._lock.release()
+
+    def after_fork_in_child(self) -> None:
+        self._lock.release()  # the child's copy, held by the thread that forked: this one

@@ -1,0 +1,122 @@
+"""Evidence when the job is torn down: the SIGTERM handler (torchrun's teardown) and the
+uncaught-exception hook (:class:`ShutdownHooks`) record what the rank was doing, through the watchdog.
+
+An application's own handler, installed before attach (we chain to it) or after (it replaced ours),
+always runs to completion; a process forked from the trainer passes the signal straight on. Only when
+nobody else handles SIGTERM and the main thread still has not handled it after ``exit_grace_s`` does
+the watchdog end the process, as the default action would have.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the watchdog owns its hooks
+    from stragglerwatch.runtime.watchdog import Watchdog
+
+
+
+class ShutdownHooks:
+    """SIGTERM handler (main thread only), wakeup fd for the watchdog, uncaught-exception hook.
+
+    Only this process's signals count: the handler and the wakeup pipe are inherited by a forked
+    child (a DataLoader worker, a fork ``Pool``), where :meth:`forked` puts back what was there
+    before us; a signal the handler sees in another process than ours passes straight on. After
+    :meth:`remove` the handler, if it could not be taken off (``close()`` off the main thread, or
+    somebody chained to it since), is a plain pass-through to what came before it."""
+
+    def __init__(self, watchdog: Watchdog):
+        self.watchdog = watchdog
+        self._pid = os.getpid()
+        self._prev_handler: Any = None
+        self._prev_excepthook = sys.excepthook
+        self._pipe: tuple[int, int] | None = None
+        self._prev_wakeup = -1
+        self._active = True  # False after remove(): the handler only passes the signal on
+        sys.excepthook = self._excepthook
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            self._prev_handler = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            self._prev_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            if self._prev_wakeup != -1:  # somebody (asyncio?) uses it: leave it to them
+                signal.set_wakeup_fd(self._prev_wakeup)
+                os.close(r)
+                os.close(w)
+            else:
+                self._pipe = (r, w)
+                watchdog._wakeup = r
+                watchdog.exits_by_default = self._exits_by_default
+        except (ValueError, OSError):
+            pass
+
+    def _ours(self) -> bool:
+        return self._active and os.getpid() == self._pid
+
+    def _exits_by_default(self) -> bool:
+        """True while ours is the SIGTERM handler and there was none before it: then the default
+        action (ending the process) is what SIGTERM means. A handler of the application's,
+        installed before attach (we chain to it) or after (it replaced ours), is never overridden."""
+        try:
+            ours = signal.getsignal(signal.SIGTERM) == self._on_sigterm
+            return ours and self._ours() and self._prev_handler in (signal.SIG_DFL, None)
+        except Exception:
+            return False
+
+    def _excepthook(self, exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if self._ours() and not issubclass(exc_type, KeyboardInterrupt):
+            self.watchdog.on_terminate(f"{exc_type.__name__}: {exc}"[:500])
+        self._prev_excepthook(exc_type, exc, tb)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self._ours():
+            self.watchdog.on_terminate("SIGTERM")
+        prev = self._prev_handler
+        if callable(prev):
+            prev(signum, frame)
+        elif prev != signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _restore(self) -> None:
+        """Put back what was there before us where it is still ours (main thread only)."""
+        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, self._prev_handler if self._prev_handler is not None else signal.SIG_DFL)
+        if self._pipe is not None:
+            current = signal.set_wakeup_fd(-1)
+            if current != self._pipe[1]:  # somebody set their own since: theirs stays
+                signal.set_wakeup_fd(current)
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
+
+    def forked(self) -> None:
+        """In a forked child, before any of its own code: everything back to what it was before us."""
+        self._active = False
+        self.watchdog._wakeup = None
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._prev_excepthook
+        try:
+            self._restore()
+        except (ValueError, OSError):
+            pass
+
+    def remove(self) -> None:
+        self._active = False
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._prev_excepthook
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals can be changed on the main thread only: ours stays, as a pass-through
+        try:
+            self._restore()
+            self.watchdog._wakeup = None
+        except (ValueError, OSError):
+            pass

@@ -1,0 +1,314 @@
+"""Raw time marks of one step, and the pure arithmetic that turns them into a record.
+
+Design: the probes (``probes.py``) only *append* marks to a :class:`StepMarks`
+while the step runs; a mark is a ``time.perf_counter()`` float on the host path
+or a recorded ``torch.cuda.Event`` on the GPU path. Nothing is computed on the
+training thread. The event-log thread later resolves device marks lazily
+(:func:`resolve_cuda` returns ``None`` until every event has completed: it
+uses ``Event.query()``, never a synchronisation) and calls :func:`anatomy`,
+which is the single definition of the step anatomy in DESIGN.md.
+
+The marks are intervals, and they nest: a collective sits inside forward (DDP's
+buffer broadcast, SyncBatchNorm) or backward, a closure's forward and backward
+inside ``optimizer.step``. :func:`anatomy` gives every instant of the step to
+the most specific interval covering it, in this order:
+
+    communication (gradient all-reduce wait, every other collective)
+    > evaluation passes > forward, backward, wrapped-loader waits
+    > optimizer > the gap before each micro-batch's forward (data, without a wrapped loader)
+    > other (the rest)
+
+so the phases partition the step exactly. ``busy = step - communication - eval``
+is the straggler signal. The time no interval covers is also split by where it lies
+(:func:`gaps`: before a forward, between forward and backward, between backward and the
+optimizer, after the optimizer), so that a report can say where an ``other`` excess sits.
+Data waits the loop marks (``Watch.data``, a wrapped loader) rank just below communication and
+evaluation: a fetch between forward and backward is data wait, not other. Per-bucket ready/all-reduce marks are optional
+(``bucket_timings``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from stragglerwatch.record.schema import GAPS, StepRecord
+
+#: The list-valued marks of a step, in the order :meth:`StepMarks.lengths` reports them.
+_LISTS = ("fwd_start", "fwd_end", "bwd_start", "bwd_end", "ready", "done", "sync", "comm", "evals", "opt", "data")
+
+
+class StepMarks:
+    """Marks of one optimizer step of one rank (host floats or CUDA events)."""
+
+    __slots__ = ("step", "start", "host_start", "end", "data_from_gap", *_LISTS)
+
+    def __init__(self, step: int, start: Any, host_start: float, data_from_gap: bool = True):
+        self.step = step
+        self.start = start
+        self.host_start = host_start  # perf_counter seconds, for the wall-clock start time
+        self.end: Any = None
+        self.data_from_gap = data_from_gap  # no wrapped loader: data wait = gap before forward
+        self.fwd_start: list[Any] = []  # training forwards (grad enabled, module in training mode)
+        self.fwd_end: list[Any] = []
+        self.bwd_start: list[Any] = []
+        self.bwd_end: list[Any] = []
+        self.ready: list[tuple[int, Any]] = []  # (bucket index, grads ready)
+        self.done: list[tuple[int, Any]] = []  # (bucket index, all-reduce done); other thread
+        self.sync: list[tuple[Any, Any]] = []  # (graph done, all-reduces waited for) per synced pass
+        self.comm: list[tuple[Any, Any]] = []  # every other collective waited for: (start, end)
+        self.evals: list[list[Any]] = []  # [start, end] of each evaluation pass (end None while open)
+        self.opt: list[list[Any]] = []  # [start, end] of each optimizer.step() (end None while open)
+        self.data: list[tuple[Any, Any]] = []  # blocked fetching: a wrapped loader, a marked fetch
+
+    def lengths(self) -> tuple[int, ...]:
+        """How many marks each list holds now (a cut point for :meth:`split`)."""
+        return tuple(len(getattr(self, name)) for name in _LISTS)
+
+    def split(self, cut: tuple[int, ...], end: Any, host_end: float) -> StepMarks:
+        """End this step at ``end`` (marks up to ``cut``); the marks after the cut start the next one."""
+        tail = StepMarks(self.step + 1, end, host_end, self.data_from_gap)
+        for name, n in zip(_LISTS, cut, strict=True):
+            marks = getattr(self, name)
+            setattr(tail, name, marks[n:])
+            del marks[n:]
+        self.end = end
+        return tail
+
+    def events(self) -> list[Any]:
+        """Every device mark of the step, in no particular order."""
+        marks = [self.start, self.end, *self.fwd_start, *self.fwd_end, *self.bwd_start, *self.bwd_end]
+        marks += [m for _, m in self.ready] + [m for _, m in self.done]
+        for pairs in (self.sync, self.comm, self.evals, self.opt, self.data):
+            marks += [m for pair in pairs for m in pair if m is not None]
+        return marks
+
+
+def _union(intervals: Iterable[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    """Sorted disjoint union of the intervals, clipped to [lo, hi]."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _uncovered(union: list[tuple[float, float]], covered: list[tuple[float, float]]) -> float:
+    """Length of ``union`` outside ``covered`` (both sorted and disjoint)."""
+    total, j = 0.0, 0
+    for a, b in union:
+        length = b - a
+        while j < len(covered) and covered[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(covered) and covered[k][0] < b:
+            length -= min(b, covered[k][1]) - max(a, covered[k][0])
+            k += 1
+        total += length
+    return total
+
+
+def carve(layers: list[tuple[str, Iterable[tuple[float, float]]]], lo: float, hi: float) -> dict[str, float]:
+    """Seconds of [lo, hi] per label: each layer gets what no earlier layer covered. Pure."""
+    covered: list[tuple[float, float]] = []
+    out: dict[str, float] = {}
+    for label, intervals in layers:
+        union = _union(intervals, lo, hi)
+        if union:
+            out[label] = out.get(label, 0.0) + _uncovered(union, covered)
+            covered = _union([*covered, *union], lo, hi)
+    return out
+
+
+def _pair_buckets(
+    ready: list[tuple[int, float]], done: list[tuple[int, float]], start: float
+) -> tuple[list[int], list[float], list[float]]:
+    """Match each bucket's ready mark with its done mark (in order, per index)."""
+    pending: dict[int, list[float]] = {}
+    for idx, t in done:
+        pending.setdefault(idx, []).append(t)
+    indices, ready_s, allreduce_s = [], [], []
+    for idx, t in ready:
+        queue = pending.get(idx)
+        t_done = queue.pop(0) if queue else float("nan")
+        indices.append(idx)
+        ready_s.append(t - start)
+        allreduce_s.append(t_done - t)
+    return indices, ready_s, allreduce_s
+
+
+def _closed(pairs: Iterable[Any]) -> list[tuple[float, float]]:
+    return [(a, b) for a, b in pairs if b is not None]
+
+
+def _complement(union: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    """[lo, hi] minus a sorted disjoint union."""
+    out, at = [], lo
+    for a, b in union:
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if hi > at:
+        out.append((at, hi))
+    return out
+
+
+def gaps(m: StepMarks, timed: list[tuple[float, float]], lo: float, hi: float) -> dict[str, float]:
+    """Seconds of [lo, hi] outside every ``timed`` interval, per :data:`~stragglerwatch.record.schema.GAPS`
+    entry: each untimed stretch is named by the training marks around it (a forward next: before
+    the forward; after a forward: between forward and backward; after a backward: between backward
+    and the optimizer; after an optimizer step: after the optimizer). Pure."""
+    anchors = sorted(
+        [(t, "F") for t in m.fwd_start] + [(t, "f") for t in m.fwd_end] + [(t, "B") for t in m.bwd_start]
+        + [(t, "b") for t in m.bwd_end] + [(b, "b") for _, b in m.sync]
+        + [(a, "O") for a, _ in m.opt] + [(b, "o") for _, b in m.opt if b is not None]
+    )  # fmt: skip
+    times = [t for t, _ in anchors]
+    out = dict.fromkeys(GAPS, 0.0)
+    for a, b in _complement(_union(timed, lo, hi), lo, hi):
+        i = bisect.bisect_right(times, a) - 1  # the last mark at or before the stretch
+        j = bisect.bisect_left(times, b)  # the first mark at or after it
+        prev = anchors[i][1] if i >= 0 else None
+        if prev is None or (j < len(anchors) and anchors[j][1] == "F"):
+            out["before_forward"] += b - a
+        elif prev in "Ff":
+            out["forward_backward"] += b - a
+        elif prev in "Bb":
+            out["backward_optimizer"] += b - a
+        else:
+            out["after_optimizer"] += b - a
+    return out
+
+
+def _data_gaps(m: StepMarks) -> list[tuple[float, float]]:
+    """Without a wrapped loader, the loop fetches a batch before each micro-batch's forward: the
+    gap before the first forward, and under accumulation each gap between a backward's end and
+    the next forward (what else happens there is carved out by the layers above)."""
+    if not m.fwd_start:
+        return []
+    gaps = [(m.start, m.fwd_start[0])]
+    ends = sorted(m.bwd_end)
+    for f in m.fwd_start[1:]:
+        before = [b for b in ends if b <= f]
+        if before:
+            gaps.append((before[-1], f))
+    return gaps
+
+
+def anatomy(
+    m: StepMarks, rank: int, wall_anchor: float, timing: str = "host", restart: int = 0, attach: int = 0
+) -> StepRecord:
+    """The step record of resolved (float, seconds) marks. Pure.
+
+    ``wall_anchor`` is ``time.time() - time.perf_counter()`` taken once, so that
+    ``start_time`` is wall-clock without calling ``time.time()`` in the hot path.
+    """
+    start, end = m.start, m.end
+    step_s = max(0.0, end - start)
+    gap = _data_gaps(m) if m.data_from_gap else []
+    layers: list[tuple[str, list[tuple[float, float]]]] = [
+        ("allreduce_wait", list(m.sync)),
+        ("collective_wait", list(m.comm)),
+        ("eval", _closed(m.evals)),
+        ("data_wait", list(m.data)),
+        ("forward", list(zip(m.fwd_start, m.fwd_end, strict=False))),
+        ("backward", list(zip(m.bwd_start, m.bwd_end, strict=False))),
+        ("optimizer", _closed(m.opt)),
+    ]
+    untimed = gaps(m, [iv for _, intervals in layers for iv in intervals], start, end)
+    sec = carve([*layers, ("data_wait", gap)], start, end)
+    get = sec.get
+    allreduce_wait_s, collective_wait_s = get("allreduce_wait", 0.0), get("collective_wait", 0.0)
+    eval_s = get("eval", 0.0)
+    accounted = sum(sec.values())
+    indices, ready_s, allreduce_s = _pair_buckets(m.ready, m.done, start)
+    comm_wait_s = allreduce_wait_s + collective_wait_s
+    return StepRecord(
+        rank=rank,
+        step=m.step,
+        start_time=wall_anchor + m.host_start,
+        data_wait_s=get("data_wait", 0.0),
+        forward_s=get("forward", 0.0),
+        backward_s=get("backward", 0.0),
+        allreduce_wait_s=allreduce_wait_s,
+        collective_wait_s=collective_wait_s,
+        eval_s=eval_s,
+        optimizer_s=get("optimizer", 0.0),
+        other_s=max(0.0, step_s - accounted),
+        step_s=step_s,
+        busy_s=max(0.0, step_s - comm_wait_s - eval_s),
+        comm_wait_s=comm_wait_s,
+        micro_batches=len(m.fwd_start),
+        timing=timing,
+        bucket_index=indices,
+        bucket_ready_s=ready_s,
+        bucket_allreduce_s=allreduce_s,
+        restart=restart,
+        attach=attach,
+        **{f"gap_{g}_s": v for g, v in untimed.items()},
+    )
+
+
+#: What a resolver returns for a step that can never be resolved (a mark made inside a CUDA graph
+#: capture): the step is dropped and counted, not kept waiting.
+DROPPED = object()
+
+
+class CapturedMark:
+    """Stands in for a CUDA event that was not recorded: the stream was capturing a CUDA graph,
+    where an event would be part of the graph and never complete (``devices.py``)."""
+
+    __slots__ = ()
+
+
+def _ready(events: list[Any], deadline: float | None) -> bool:
+    """Whether every event has completed; with a ``deadline`` (``time.monotonic()``), polls until
+    then. Never ``synchronize()``: a GPU that never finishes must not hold the caller."""
+    while True:
+        if all(ev.query() for ev in events):
+            return True
+        if deadline is None or time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+
+
+def resolve_cuda(m: StepMarks, deadline: float | None = None) -> Any:
+    """Float marks (seconds after the step's start event) once every event completed.
+
+    Returns ``None`` while any event is still pending (with a ``deadline``, used only at close,
+    off the hot path, it polls until then), and :data:`DROPPED` for a step with a mark made
+    inside a CUDA graph capture. Data waits are device marks too: the device's time between the
+    fetch's start and end marks is what it idled for the fetch (nothing, when queued work kept it
+    busy while the host fetched).
+    """
+    events = m.events()
+    if any(isinstance(ev, CapturedMark) for ev in events):
+        return DROPPED
+    if not _ready(events, deadline):
+        return None
+    base = m.start
+
+    def sec(ev: Any) -> float:
+        return base.elapsed_time(ev) / 1000.0
+
+    def pairs(marks: list[Any]) -> list[Any]:
+        return [(sec(a), sec(b)) for a, b in marks if b is not None]
+
+    r = StepMarks(m.step, 0.0, m.host_start, m.data_from_gap)
+    r.fwd_start = [sec(e) for e in m.fwd_start]
+    r.fwd_end = [sec(e) for e in m.fwd_end]
+    r.bwd_start = [sec(e) for e in m.bwd_start]
+    r.bwd_end = [sec(e) for e in m.bwd_end]
+    r.ready = [(i, sec(e)) for i, e in m.ready]
+    r.done = [(i, sec(e)) for i, e in m.done]
+    r.sync, r.comm, r.evals, r.opt = pairs(m.sync), pairs(m.comm), pairs(m.evals), pairs(m.opt)
+    r.end = sec(m.end)
+    r.data = pairs(m.data)
+    return r
