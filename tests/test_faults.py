@@ -315,3 +315,23 @@ def test_peers_are_read_in_two_store_operations(tmp_path: Path) -> None:
     reader.operations = 0
     notes = reader.read()
     assert reader.operations == 2 and notes[7]["phase"] == "data_wait" and len(notes) == world
+
+
+def test_a_stall_noticed_late_carries_the_native_dump(tmp_path: Path) -> None:
+    """A rank that held the GIL in native code for longer than its threshold: its watchdog notices the
+    stall only once Python runs again, and the stall's stacks are faulthandler's dump of where the rank
+    was stuck, not the threads as they are at that later moment."""
+    import ctypes
+
+    model, opt = model_and_opt()
+    watch = stragglerwatch.attach(model, tmp_path / "run", watchdog_timeout_s=1, flush_interval_s=0.05)
+    train(model, opt, 3)
+    ctypes.PyDLL(None).sleep(4)  # libc sleep() keeping the GIL: the dump timer (threshold + 2 s) fires meanwhile
+    deadline = time.monotonic() + 5
+    while not watch.controls.state()["stall"]["stalled"] and time.monotonic() < deadline:
+        sum(range(1000))  # Python, but no step hook: the watchdog runs, and the step has not moved on
+    train(model, opt, 2)
+    watch.close()
+    (stall,) = [e for e in read_events(tmp_path / "run")[0] if e["kind"] == "stall"]
+    assert stall["waited_s"] >= 4
+    assert "test_a_stall_noticed_late_carries_the_native_dump" in stall["stacks"].get("faulthandler", ""), stall

@@ -146,20 +146,25 @@ class Watchdog:
             self.board.publish({"step": 0, "phase": "idle", "at": time.time()})
         while not self._stop.is_set():
             try:
-                self._poll()
-                self._native()
+                # a dump first: a stall noticed only now, when the rank runs Python again after holding the GIL
+                # in native code, was spent where the dump says, not where the threads are at this moment
+                self._poll(self._native())
             except Exception as exc:  # never let the watchdog die of our own bug, nor harm training
                 self.errors += 1
                 self.problems.report("watchdog", f"watchdog: {type(exc).__name__}: {exc}")
             self._wait()
 
-    def _native(self) -> None:
+    def _native(self) -> str | None:
+        """What faulthandler dumped since the last look (this thread could not run for a whole
+        threshold: the GIL was held, in native code), and the timer armed again."""
         if self.native is None:
-            return
+            return None
         dumped = self.native.collect()
-        if dumped:  # we could not run for a whole threshold: the GIL was held, in native code
-            self._event("native_stacks", stacks={"faulthandler": dumped[-20000:]})
+        if dumped:
+            dumped = dumped[-20000:]
+            self._event("native_stacks", stacks={"faulthandler": dumped})
         self.native.arm(self.threshold() + 2.0)
+        return dumped or None
 
     def _wait(self) -> None:
         if self._wakeup is None:
@@ -174,7 +179,7 @@ class Watchdog:
             if signal.SIGTERM in data:
                 self.on_terminate("SIGTERM", from_thread=True)
 
-    def _poll(self) -> None:
+    def _poll(self, native_dump: str | None = None) -> None:
         step, phase, since = self.probe.where
         if phase == "idle":
             return
@@ -193,9 +198,12 @@ class Watchdog:
         self._stall = {"id": stall_id, "where": (step, phase, since), "t": since}
         self.stalled = True
         self.timeouts_by_phase[phase] = self.timeouts_by_phase.get(phase, 0) + 1
+        stacks = thread_stacks()
+        if native_dump:  # noticed late: the GIL was held; the dump is where the rank was stuck
+            stacks = {"faulthandler": native_dump, **stacks}
         ev = self._event("stall", (step, phase, since), id=stall_id, waited_s=round(now - since, 3),
                          threshold_s=round(threshold, 3), collectives=collective_counts(),
-                         **self._progress(), stacks=thread_stacks())  # fmt: skip
+                         **self._progress(), stacks=stacks)  # fmt: skip
         self._diagnose(ev, grace_s=max(2.0, 2 * statistics.median(self.probe.recent_steps or [0.0])))
         self._flight_recorder(stall_id)
 
