@@ -11,9 +11,13 @@ skips is a step with no optimizer time. The batches of a step are fetched by
 ``trainer.get_batch_samples``, timed as data wait. Evaluation runs in eval mode without grad:
 evaluation time, not work.
 
-With ``log_to_trainer=True`` the rank's busy ratio goes into the Trainer's logs
-(``stragglerwatch/busy_ratio``, every ``logging_steps``, through ``trainer.log`` so that every
-reporting integration gets it), and the job's verdict is logged by the main process at the end
+With ``log_to_trainer=True`` the rank's busy ratio goes into the Trainer's own logs
+(``stragglerwatch/busy_ratio``, at its ``logging_steps``): added to the log the Trainer makes, in
+``on_log``, with our callback moved ahead of the reporting integrations so that they get it too. It
+never calls ``trainer.log`` during training: that call ends in ``CallbackHandler.on_log``, which clears
+``control.should_log``, and the Trainer then skips its own loss all-gather at that step; a rank whose
+first step was not yet written would still gather, and the ranks' collectives would pair wrongly (on
+gloo, an abort). The job's verdict is logged by the main process at the end
 of training, from the run dir, on a thread of its own once every rank's log is complete (no
 barrier: the job does not wait for it; ``callback.verdict.join(timeout_s)`` does, and so does the
 interpreter's exit, at most 30 s).
@@ -57,11 +61,16 @@ class StragglerWatchCallback(TrainerCallback):
         self.watch: Watch | None = None
         self.verdict: LateVerdict | None = None  # rank 0's end-of-fit verdict, computed on a thread of its own
         self.trainer: Any = None
+        self._pending: dict[str, float] | None = None  # this step's figures, for the log the Trainer makes
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self.watch is not None and self.watch.enabled:
             return
         self.trainer = find_caller_self(Trainer)
+        callbacks = getattr(getattr(self.trainer, "callback_handler", None), "callbacks", None)
+        if self.log_to_trainer and isinstance(callbacks, list) and self in callbacks:
+            callbacks.remove(self)  # ahead of the reporting integrations: they see what on_log adds
+            callbacks.insert(0, self)
         wrapped = getattr(self.trainer, "model_wrapped", None)
         self.watch = attach(wrapped if wrapped is not None else model, self.run_dir, **self.attach_options)
         if self.trainer is not None and callable(getattr(self.trainer, "get_batch_samples", None)):
@@ -73,8 +82,17 @@ class StragglerWatchCallback(TrainerCallback):
         every = args.logging_steps if args.logging_steps >= 1 else args.logging_steps * (state.max_steps or 0)
         if state.global_step % max(1, int(every)) == 0:
             latest = self.watch.latest()
-            if latest is not None:
-                self.trainer.log({"stragglerwatch/busy_ratio": round(latest["busy_ratio"], 4)})
+            if latest is not None:  # goes into the log the Trainer makes now (on_log), on this rank alone
+                self._pending = {"stragglerwatch/busy_ratio": round(latest["busy_ratio"], 4)}
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        pending, self._pending = self._pending, None
+        if not pending or logs is None:
+            return
+        logs.update(pending)  # the reporting integrations after us get it
+        history = getattr(state, "log_history", None)
+        if history and isinstance(history[-1], dict) and history[-1].get("step") == state.global_step:
+            history[-1].update(pending)  # the Trainer appended its copy of this log before calling on_log
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         watch, self.watch = self.watch, None
@@ -88,4 +106,14 @@ class StragglerWatchCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         world = watch.info.world_size if watch.info else 1
-        self.verdict = LateVerdict(Path(run_dir) if run_dir else None, world, watch.problems, trainer.log).start()
+        self.verdict = LateVerdict(Path(run_dir) if run_dir else None, world, watch.problems,
+                                   lambda metrics: _log_keeping_flags(trainer, metrics)).start()  # fmt: skip
+
+
+def _log_keeping_flags(trainer: Any, metrics: dict[str, float]) -> None:
+    """``trainer.log`` without touching the Trainer's flow: its ``on_log`` clears ``should_log``."""
+    control = getattr(trainer, "control", None)
+    flag = getattr(control, "should_log", None)
+    trainer.log(metrics)
+    if control is not None and flag is not None:
+        control.should_log = flag
