@@ -252,6 +252,7 @@ def live_prometheus(tmp_path_factory: pytest.TempPathFactory):
     port_base, prom_port = ports, ports + 8
     rules = tmp / "fast.rules.yml"
     rules.write_text(render_rules(window="20s", for_="10s"))
+    started = time.time()
     lean = SyntheticJob("lean-run", 4, ports + 4, sd, lean=True)
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(EXAMPLE),
@@ -278,7 +279,7 @@ def live_prometheus(tmp_path_factory: pytest.TempPathFactory):
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         yield SimpleNamespace(base=f"http://127.0.0.1:{prom_port}", run=run, run_id=run_id, job=job,
-                              lean_run_id=lean.run_id)  # fmt: skip
+                              lean_run_id=lean.run_id, started=started)  # fmt: skip
     finally:
         lean.close()
         job.terminate()
