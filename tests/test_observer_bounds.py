@@ -16,9 +16,8 @@ from conftest import free_ports, wait_for
 from torch import nn
 
 import stragglerwatch
-from stragglerwatch.record import steplog as eventlog
 from stragglerwatch.record.events import read_events
-from stragglerwatch.runtime import probes
+from stragglerwatch.runtime import probes, writer
 from stragglerwatch.runtime.devices import graph_class
 from stragglerwatch.runtime.taps import ISSUE_METHODS, process_group_class, scaler_class, work_class
 
@@ -93,7 +92,7 @@ def test_a_manual_step_with_an_optimizer_too(tmp_path: Path) -> None:
 
 
 def test_the_queue_is_capped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(eventlog, "MAX_QUEUED", 10)
+    monkeypatch.setattr(writer, "MAX_QUEUED", 10)
     model = nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     watch = quiet(model, tmp_path / "run", flush_interval_s=3600)
@@ -106,13 +105,13 @@ def test_a_filesystem_that_does_not_answer_costs_the_bound_once(tmp_path: Path, 
     """A write that never returns (a hung network filesystem): ``flush()`` waits its bound once, then
     not again; ``close()`` returns within ``close_timeout_s``; training goes on at full speed."""
     release = threading.Event()
-    real_write = eventlog.EventLogWriter._write
+    real_write = writer.EventLogWriter._write
 
     def hung(self, records):
         release.wait(60)  # the write does not return until the test lets it
         return real_write(self, records)
 
-    monkeypatch.setattr(eventlog.EventLogWriter, "_write", hung)
+    monkeypatch.setattr(writer.EventLogWriter, "_write", hung)
     model = nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     watch = quiet(model, tmp_path / "run", flush_interval_s=0.05, close_timeout_s=1.0)
