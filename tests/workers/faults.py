@@ -67,8 +67,8 @@ def one_process(args: argparse.Namespace) -> None:
             train_step(model, opt)
             progress.write(f"{step} {time.time()}\n")
     if not args.bare:
+        watch.close()  # its last write may fail too: the counters are read after it
         (args.out / "stats.txt").write_text(repr(watch.stats()))
-        watch.close()
     (args.out / "done").write_text("trained")
 
 
