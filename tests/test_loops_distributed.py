@@ -125,9 +125,14 @@ def test_synchronous_collectives_without_work_as_on_nccl(tmp_path: Path, capsys:
             assert counts["finished"] >= 3 * 40, f"{flag} rank {rank}: finished in the call, no Work: {counts}"
         only_straggler(analyze_json(like_run, capsys), 1, "data")
         b = medians(like)
-        diff = (a["collective_wait_s"] - b["collective_wait_s"]).abs()
-        assert (diff < 4 * MS).all(), f"collective_wait_s (ms), plain:\n{a['collective_wait_s'] * 1e3}\n{flag}:\n" \
-                                      f"{b['collective_wait_s'] * 1e3}"
+        shown = (f"collective_wait_s (ms), plain:\n{a['collective_wait_s'] * 1e3}\n"
+                 f"{flag}:\n{b['collective_wait_s'] * 1e3}")  # fmt: skip
+        # what the peers wait for rank 1 beyond what rank 1 itself waits: the same in both runs. The level
+        # every rank shares (gloo's own time in each collective) moves with the machine's load between the
+        # two runs: under load in CI all three ranks' waits moved by 7 ms together, the peers' excess by 0.2
+        excess = lambda m: m["collective_wait_s"] - m.loc[1, "collective_wait_s"]  # noqa: E731
+        assert ((excess(a) - excess(b)).abs() < 4 * MS).all(), shown
+        assert ((a["collective_wait_s"] - b["collective_wait_s"]).abs() < 15 * MS).all(), shown
         assert b["forward_s"].max() < 8 * MS, "the peers' wait in forward's all-reduce is communication, not forward"
 
 
