@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Set up, lint, and run the whole test suite (unit tests and real multi-process gloo DDP tests).
+# Set up, lint, and run the tests. Default: the fast suite (unit and single-process tests, about 3 minutes).
+# --full: the whole suite, as CI runs it (also the real multi-rank gloo jobs, Prometheus, Chromium, the
+# installs and the docs build; about 15 minutes). Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 echo "test: ruff"
-.venv/bin/ruff check stragglerwatch tests examples benchmarks dashboard
+.venv/bin/ruff check stragglerwatch tests examples benchmarks dashboard docs
 echo "test: pytest"
 .venv/bin/python -m pytest "$@"

@@ -75,10 +75,37 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         reporter.write_line(f"STRAGGLERWATCH_REQUIRE_ALL=1: {len(skipped)} test(s) skipped; CI must run them all")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests on the live Prometheus job run last and together: its 4 ranks train in the background
-    from the first of them to the end of the session, and no other multi-rank job may compete with
-    them for this machine's cores (that noise once made a healthy rank look slow), nor they with it."""
+#: Markers of the tests that only the full suite runs (``--full``; CI's): real multi-rank jobs, real
+#: servers and browsers, installs into fresh venvs, and the slower single-process checks.
+FULL_ONLY = ("full", "distributed", "install")
+#: Fixtures that start a real server or browser (Chromium, gunicorn, Ray, the live Prometheus job): full only.
+FULL_FIXTURES = {"browser", "runs_service", "cluster", "live_prometheus"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true", default=False,
+                     help="run the whole suite, as CI does: also the tests marked full, distributed or install "
+                          "(real multi-rank jobs, Prometheus, Chromium, installs). Without it: the fast unit and "
+                          "single-process tests only")  # fmt: skip
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if config.getoption("--full") or config.getoption("-m"):
+        return "stragglerwatch: the full suite" if config.getoption("--full") else "stragglerwatch: -m selection"
+    return "stragglerwatch: the fast suite (unit and single-process tests); --full runs everything, as CI does"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without ``--full`` (and without ``-m``), the full-only tests are deselected. The tests on the live
+    Prometheus job run last and together: its 4 ranks train in the background from the first of them to
+    the end of the session, and no other multi-rank job may compete with them for this machine's cores
+    (that noise once made a healthy rank look slow), nor they with it."""
+    if not config.getoption("--full") and not config.getoption("-m"):
+        dropped = [item for item in items if any(item.get_closest_marker(m) for m in FULL_ONLY)
+                   or FULL_FIXTURES & set(getattr(item, "fixturenames", ()))]  # fmt: skip
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if item not in set(dropped)]
     live = [item for item in items if "live_prometheus" in getattr(item, "fixturenames", ())]
     items[:] = [item for item in items if item not in live] + live
 

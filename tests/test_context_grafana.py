@@ -30,6 +30,7 @@ from stragglerwatch.runtime.sampler import ContextSampler
 PROMETHEUS = shutil.which("prometheus")
 
 
+@pytest.mark.full  # a real Prometheus
 @pytest.mark.skipif(PROMETHEUS is None, reason="PROMETHEUS TESTS SKIPPED: install Debian's 'prometheus' package")
 def test_context_panels_answer_from_a_real_prometheus(tmp_path: Path) -> None:
     dev = Device(index=1, uuid="GPU-1234", reasons=0x40 | 0x4, sm_clock=1200, nvlinks=2)

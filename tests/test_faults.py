@@ -144,6 +144,7 @@ def readable(run: Path) -> None:
         pq.read_table(f)
 
 
+@pytest.mark.full  # a minute of kill-and-read rounds
 def test_sigkill_at_random_moments_leaves_readable_files(tmp_path: Path) -> None:
     """SIGKILL 20 times: 3 during start-up, 14 at random steps of training (flushes), 3 around the
     end of training (close's compaction). Every file left is readable, and no step that finished

@@ -29,6 +29,7 @@ def trainer(run: Path, *flags: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.full  # trains with forking helpers, twice
 @pytest.mark.parametrize("user_handler", [False, True], ids=["no-handler", "user-handler"])
 def test_forked_helpers_leave_the_trainer_alone(tmp_path: Path, user_handler: bool) -> None:
     flags = ["--user-handler"] if user_handler else []
