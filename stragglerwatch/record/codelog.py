@@ -17,13 +17,15 @@ import re
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 import pyarrow as pa
 
 from stragglerwatch.record.steplog import RunDirWarning, compact_stream, log_files, read_arrow_stream
 from stragglerwatch.record.streams import read_segment, segment_path, version_problem
+
+if TYPE_CHECKING:  # a DataFrame only for who reads it: the training process never imports pandas
+    import pandas as pd
 
 CODE_VERSION = "1.0"
 CODE_KEY = b"stragglerwatch.code_version"

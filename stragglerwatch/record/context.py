@@ -19,14 +19,16 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 
 from stragglerwatch.record.steplog import RunDirWarning, compact_stream, log_files, read_arrow_stream
 from stragglerwatch.record.streams import read_segment, segment_path, version_problem
+
+if TYPE_CHECKING:  # a DataFrame only for who reads it: the training process never imports pandas
+    import pandas as pd
 
 CONTEXT_VERSION = "1.0"
 CONTEXT_KEY = b"stragglerwatch.context_version"

@@ -18,8 +18,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -32,6 +32,9 @@ from stragglerwatch.record.schema import (
     schema_compatible,
     upgrade,
 )
+
+if TYPE_CHECKING:  # a DataFrame only for who reads it: the training process never imports pandas
+    import pandas as pd
 
 LOG_NAME = re.compile(r"^rank-(\d+)(?:\.(\d+))?\.(arrows|parquet)$")
 
