@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, analyze_json, torchrun
+from conftest import EXAMPLE, analyze_json, launch
 
 from stragglerwatch.cli.commands import main as cli
 
@@ -51,7 +51,7 @@ def test_real_data_straggler(data_run: Path, capsys: pytest.CaptureFixture[str])
 @pytest.mark.parametrize("cause", ["optimizer", "other"])
 def test_real_host_side_stragglers(cause: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
-    torchrun(4, EXAMPLE, "--steps", "50", "--slow-rank", "3", "--slowdown", "0.02", "--cause", cause,
+    launch(4, EXAMPLE, "--steps", "50", "--slow-rank", "3", "--slowdown", "0.02", "--cause", cause,
              "--from-step", "5", "--run-dir", str(run))  # fmt: skip
     report = analyze_json(run, capsys)
     assert [(s["rank"], s["cause"]) for s in report["stragglers"]] == [(3, cause)]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import ROOT, read_json, torchrun, wait_for
+from conftest import ROOT, launch, read_json, wait_for
 
 import stragglerwatch
 from stragglerwatch.record.schema import PHASE_COLUMNS
@@ -60,7 +60,7 @@ def test_compute_straggler_is_busy_not_slow(compute_straggler: pd.DataFrame) -> 
 
 def test_bucket_timings_recorded(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    torchrun(
+    launch(
         2, EXAMPLE, "--steps", "30", "--slow-rank", "1", "--slowdown", "0.02", "--bucket-timings", "--run-dir", str(run)
     )
     df = stragglerwatch.load_run(run)
@@ -92,7 +92,7 @@ def test_data_straggler_shows_in_data_wait(data_run: Path) -> None:
 
 def test_data_straggler_without_wrapped_loader(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    torchrun(
+    launch(
         2,
         EXAMPLE,
         "--steps",
@@ -113,7 +113,7 @@ def test_data_straggler_without_wrapped_loader(tmp_path: Path) -> None:
 
 def test_no_sync_accumulation_counts_optimizer_steps(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    torchrun(2, EXAMPLE, "--steps", "8", "--accum", "4", "--bucket-timings", "--run-dir", str(run))
+    launch(2, EXAMPLE, "--steps", "8", "--accum", "4", "--bucket-timings", "--run-dir", str(run))
     df = stragglerwatch.load_run(run)
     assert df.groupby("rank")["step"].agg(list).map(lambda s: s == list(range(8))).all()
     assert (df["micro_batches"] == 4).all()
@@ -126,7 +126,7 @@ def test_no_sync_accumulation_counts_optimizer_steps(tmp_path: Path) -> None:
 
 
 def test_close_removes_hooks_and_conflicts_are_clear(tmp_path: Path) -> None:
-    torchrun(2, ROOT / "tests" / "workers" / "hooks_worker.py", str(tmp_path), env={"STRAGGLERWATCH_RUN_DIR": ""})
+    launch(2, ROOT / "tests" / "workers" / "hooks_worker.py", str(tmp_path), env={"STRAGGLERWATCH_RUN_DIR": ""})
     r0, r1 = (read_json(tmp_path / f"result-{r}.json") for r in (0, 1))
     for r in (r0, r1):
         assert r["hooks_after_close"] == r["hooks_before"] != r["hooks_attached"]

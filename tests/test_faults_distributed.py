@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, torchrun, wait_for
+from conftest import ROOT, launch, wait_for
 
 from stragglerwatch.cli.commands import main as cli
 from stragglerwatch.record.events import read_events
@@ -46,7 +46,7 @@ def test_sigterm_lets_the_checkpoint_handler_finish(tmp_path: Path, installed: s
 def test_rank_stuck_in_native_code_holding_the_gil(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Rank 1 spends 8 s in a C call that keeps the GIL: its own watchdog thread cannot run, so
     faulthandler's timer dumps its stacks; rank 0 names it from its silence."""
-    torchrun(2, FAULTS, "native", str(tmp_path), "--steps", "20")
+    launch(2, FAULTS, "native", str(tmp_path), "--steps", "20")
     run = tmp_path / "run"
     assert "faults.py" in (run / "stacks-00001.txt").read_text()
     assert cli(["analyze", str(run), "--format", "json"]) == 0

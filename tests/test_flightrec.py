@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, ROOT, torchrun
+from conftest import EXAMPLE, ROOT, launch
 
 from stragglerwatch.cli.commands import main as cli
 from stragglerwatch.evidence.flightrec import analyze_dumps
@@ -26,7 +26,7 @@ FR_ENV = {"TORCH_FR_BUFFER_SIZE": "200"}
 
 def fr_job(factory: pytest.TempPathFactory, mode: str, *args: str) -> Path:
     out = factory.mktemp(f"fr-{mode}")
-    torchrun(3, WORKER, str(out), mode, *args, env=FR_ENV, timeout_s=90)
+    launch(3, WORKER, str(out), mode, *args, env=FR_ENV, timeout_s=90)
     return out
 
 

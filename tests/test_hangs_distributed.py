@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE, ROOT, torchrun
+from conftest import EXAMPLE, ROOT, launch, torchrun
 
 from stragglerwatch.cli.commands import main as cli
 from stragglerwatch.record.events import read_events
@@ -24,7 +24,7 @@ def report(run: Path, capsys: pytest.CaptureFixture[str]) -> dict:
 
 def test_stalled_rank_is_named_and_training_recovers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
-    torchrun(4, EXAMPLE, "--steps", "25", "--stall-rank", "1", "--stall-at-step", "10", "--stall-seconds", "6",
+    launch(4, EXAMPLE, "--steps", "25", "--stall-rank", "1", "--stall-at-step", "10", "--stall-seconds", "6",
              "--watchdog-timeout", "2", "--run-dir", str(run))  # fmt: skip
     r = report(run, capsys)
     assert all(x["steps"] == 25 for x in r["ranks"]), "training went on after the stall"

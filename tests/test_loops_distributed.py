@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import ROOT, analyze_json, check_anatomy, medians, only_straggler, torchrun
+from conftest import ROOT, analyze_json, check_anatomy, launch, medians, only_straggler
 
 import stragglerwatch
 from stragglerwatch.record.events import read_events
@@ -21,7 +21,7 @@ MS = 1e-3
 
 def run_loop(tmp_path: Path, nproc: int, *args: str) -> tuple[Path, pd.DataFrame]:
     run = tmp_path / "run"
-    torchrun(nproc, LOOPS, *args, "--run-dir", str(run))
+    launch(nproc, LOOPS, *args, "--run-dir", str(run))
     df = stragglerwatch.load_run(run)
     assert set(df["rank"]) == set(range(nproc)), "every rank logged"
     check_anatomy(df)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import ROOT, analyze_json, check_anatomy, medians, only_straggler, torchrun
+from conftest import ROOT, analyze_json, check_anatomy, launch, medians, only_straggler
 
 import stragglerwatch
 
@@ -38,7 +38,7 @@ MS = 1e-3
 
 def run_shape(tmp_path: Path, nproc: int, shape: str, *args: str, steps: int = STEPS) -> tuple[Path, pd.DataFrame]:
     run = tmp_path / "run"
-    torchrun(nproc, REAL_LOOPS, "--shape", shape, "--steps", str(steps), "--code-hz", str(CODE_HZ), *args,
+    launch(nproc, REAL_LOOPS, "--shape", shape, "--steps", str(steps), "--code-hz", str(CODE_HZ), *args,
              "--run-dir", str(run), "--work-dir", str(tmp_path / "work"), timeout_s=120)  # fmt: skip
     df = stragglerwatch.load_run(run)
     assert set(df["rank"]) == set(range(nproc)), "every rank logged"
