@@ -27,9 +27,18 @@ ray = pytest.importorskip("ray", reason="the Ray engine's tests need ray (stragg
 
 @pytest.fixture(scope="module")
 def cluster():
+    import psutil
+
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ours = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+    # ray.shutdown() returns while the cluster's processes are still exiting; on two cores their exit
+    # would compete with the next test's job (a 2-rank job's timing, right after, was off by that)
+    _, alive = psutil.wait_procs(ours, timeout=30)
+    for proc in alive:
+        proc.kill()
 
 
 def _run(tmp_path: Path) -> Path:
