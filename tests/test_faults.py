@@ -82,8 +82,12 @@ def test_disk_full_goes_on_in_a_new_segment(tmp_path: Path) -> None:
     assert len(log_files(tmp_path / "run")) >= 2, "the log went on in new segments"
     assert df["step"].is_unique and len(df) + stats["dropped_steps"] == 600, "only the failed batches are lost"
     assert stats["write_errors"] >= 1
-    per_interval = 0.02 / df["step_s"].median()  # steps a 20 ms flush interval holds
-    assert stats["dropped_steps"] <= stats["write_errors"] * 3 * per_interval + 5, "a failed write loses one batch"
+    # a failed write loses its batch and nothing else: the missing steps are at most one contiguous run per
+    # failed write (a batch's size is not bounded by the flush interval: on a loaded machine the writer
+    # thread runs late and its batches grow, 5x the interval's steps under two busy processes)
+    missing = sorted(set(range(600)) - set(df["step"]))
+    runs = sum(1 for i, step in enumerate(missing) if i == 0 or step != missing[i - 1] + 1)
+    assert runs <= stats["write_errors"], f"a failed write loses one batch: {runs} runs, {stats['write_errors']} errors"
 
 
 def test_unwritable_run_dir_leaves_training_unwatched(caplog: pytest.LogCaptureFixture) -> None:
@@ -144,6 +148,11 @@ def readable(run: Path) -> None:
         pq.read_table(f)
 
 
+#: How late the writer thread may be, on top of the 10 ms flush interval, before a step it has not
+#: written counts as lost: 0.5 s was too little with two busy processes on the two cores.
+MARGIN_S = 1.5
+
+
 @pytest.mark.full  # a minute of kill-and-read rounds
 def test_sigkill_at_random_moments_leaves_readable_files(tmp_path: Path) -> None:
     """SIGKILL 20 times: 3 during start-up, 14 at random steps of training (flushes), 3 around the
@@ -175,7 +184,7 @@ def test_sigkill_at_random_moments_leaves_readable_files(tmp_path: Path) -> None
                 wait_for(lambda t=target, f=progress: f.exists() and len(f.read_text().splitlines()) > t, 120,
                          f"kill {i}: step {target}")  # fmt: skip
                 first_at = float(progress.read_text().split()[1])
-                time.sleep(max(0.0, first_at + 0.6 - time.time()))  # some steps are older than the margin below
+                time.sleep(max(0.0, first_at + MARGIN_S + 0.1 - time.time()))  # some steps older than the margin
                 time.sleep(rng.uniform(0.0, 0.05 if moment == "training" else 0.3))
             killed_at = time.time()
             if moment == "start":
@@ -188,7 +197,7 @@ def test_sigkill_at_random_moments_leaves_readable_files(tmp_path: Path) -> None
                 assert zygote.stdout.readline().strip() == "reaped"
             readable(out / "run")
             lines = [line.split() for line in progress.read_text().splitlines()] if progress.exists() else []
-            old = [int(s) for s, at in (x for x in lines if len(x) == 2) if float(at) < killed_at - 0.5]
+            old = [int(s) for s, at in (x for x in lines if len(x) == 2) if float(at) < killed_at - MARGIN_S]
             if old:  # steps older than the flush interval (and a margin) are kept
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
