@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from stragglerwatch.record import arrowcols
 from stragglerwatch.record.steplog import RunDirWarning, compact_stream, log_files, read_arrow_stream
 from stragglerwatch.record.streams import read_segment, segment_path, version_problem
 
@@ -47,8 +48,7 @@ def code_path(run_dir: Path, rank: int) -> Path:
 
 
 def rows_to_batch(rows: list[dict[str, Any]]) -> pa.RecordBatch:
-    return pa.RecordBatch.from_arrays([pa.array([r[f.name] for r in rows], type=f.type) for f in CODE_SCHEMA],
-                                      schema=CODE_SCHEMA)  # fmt: skip
+    return arrowcols.batch([[r[f.name] for r in rows] for f in CODE_SCHEMA], CODE_SCHEMA)
 
 
 def _problem(schema: pa.Schema) -> str | None:

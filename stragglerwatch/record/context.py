@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from stragglerwatch.record import arrowcols
 from stragglerwatch.record.steplog import RunDirWarning, compact_stream, log_files, read_arrow_stream
 from stragglerwatch.record.streams import read_segment, segment_path, version_problem
 
@@ -61,8 +62,7 @@ def context_path(run_dir: Path, rank: int) -> Path:
 
 def rows_to_batch(rows: list[dict[str, Any]]) -> pa.RecordBatch:
     """Sample rows (dicts; a missing key is its empty value) as one record batch."""
-    arrays = [pa.array([r.get(f.name, EMPTY[f.name]) for r in rows], type=f.type) for f in CONTEXT_SCHEMA]
-    return pa.RecordBatch.from_arrays(arrays, schema=CONTEXT_SCHEMA)
+    return arrowcols.batch([[r.get(f.name, EMPTY[f.name]) for r in rows] for f in CONTEXT_SCHEMA], CONTEXT_SCHEMA)
 
 
 def _problem(schema: pa.Schema) -> str | None:

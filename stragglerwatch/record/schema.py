@@ -22,6 +22,8 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from stragglerwatch.record import arrowcols
+
 SCHEMA_VERSION = "1.3"
 SCHEMA_MAJOR = SCHEMA_VERSION.split(".")[0]
 META_KEY = b"stragglerwatch.schema_version"
@@ -112,10 +114,7 @@ RUN_COLUMNS = (*StepRecord._fields, "world_size")
 def records_to_batch(records: list[StepRecord]) -> pa.RecordBatch:
     """Columnar batch of records, in the order given."""
     columns = list(zip(*records, strict=True)) if records else [() for _ in StepRecord._fields]
-    return pa.RecordBatch.from_arrays(
-        [pa.array(col, type=f.type) for col, f in zip(columns, STEP_SCHEMA, strict=True)],
-        schema=STEP_SCHEMA,
-    )
+    return arrowcols.batch(columns, STEP_SCHEMA)
 
 
 def schema_compatible(schema: pa.Schema) -> str | None:
