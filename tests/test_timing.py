@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from stragglerwatch.record.schema import PHASE_COLUMNS, StepRecord, records_to_batch
-from stragglerwatch.runtime.timing import StepMarks, anatomy, carve
+from stragglerwatch.runtime.intervals import _carve_python, _carve_sweep, carve
+from stragglerwatch.runtime.timing import StepMarks, anatomy
 
 
 def marks(**kw: object) -> StepMarks:
@@ -246,3 +248,42 @@ def test_gaps_under_accumulation_and_after_the_optimizer() -> None:
     assert r.gap_before_forward_s == pytest.approx(0.005)
     assert r.gap_after_optimizer_s == pytest.approx(0.005)
     assert r.gap_forward_backward_s == 0.0 and r.gap_backward_optimizer_s == 0.0
+
+
+def _random_layers(rng: random.Random) -> list[tuple[str, list[tuple[float, float]]]]:
+    """Up to 8 layers of random intervals over about [0, 1]: overlapping, nested, touching, empty,
+    reversed, out of bounds, repeated endpoints (a coarse grid makes ties common)."""
+    def point() -> float:
+        return rng.choice((rng.randint(-2, 22) / 20, rng.uniform(-0.1, 1.1)))
+
+    labels = ["comm", "eval", "data", "forward", "backward", "optimizer", "data"]
+    return [(label, [(point(), point()) for _ in range(rng.choice((0, 1, 2, 5, 40)))]) for label in labels]
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_the_sweep_and_the_python_carve_agree(seed: int) -> None:
+    rng = random.Random(seed)
+    layers = _random_layers(rng)
+    timed = rng.randint(0, len(layers))
+    py_sec, py_free = _carve_python(layers, timed, 0.0, 1.0)
+    np_sec, np_free = _carve_sweep(layers, timed, 0.0, 1.0)
+    assert py_sec.keys() == np_sec.keys()
+    for label, seconds in py_sec.items():
+        assert np_sec[label] == pytest.approx(seconds, abs=1e-12)
+    assert len(np_free) == len(py_free)
+    for (a, b), (c, d) in zip(np_free, py_free, strict=True):
+        assert a == pytest.approx(c, abs=1e-12) and b == pytest.approx(d, abs=1e-12)
+    assert sum(np_sec.values()) <= 1.0 + 1e-9
+
+
+def test_a_step_with_hundreds_of_collectives_partitions_exactly() -> None:
+    """FSDP's shape: hundreds of collectives inside forward and backward (the numpy sweep)."""
+    comm = [(10.0 + 0.001 * i, 10.0 + 0.001 * i + 0.0004) for i in range(400)]
+    m = marks(fwd_start=[10.0], fwd_end=[10.2], bwd_start=[10.2], bwd_end=[10.4], comm=comm,
+              opt_start=10.41, end=10.42)  # fmt: skip
+    r = anatomy(m, rank=0, wall_anchor=0.0)
+    assert r.collective_wait_s == pytest.approx(0.16)
+    assert r.forward_s == pytest.approx(0.2 - 0.08) and r.backward_s == pytest.approx(0.2 - 0.08)
+    assert r.optimizer_s == pytest.approx(0.01)
+    assert r.gap_backward_optimizer_s == pytest.approx(0.01)
+    assert phase_sum(r) == pytest.approx(r.step_s)

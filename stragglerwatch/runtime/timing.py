@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from stragglerwatch.record.schema import GAPS, StepRecord
+from stragglerwatch.runtime.intervals import carve_and_untimed
 
 #: The list-valued marks of a step, in the order :meth:`StepMarks.lengths` reports them.
 _LISTS = ("fwd_start", "fwd_end", "bwd_start", "bwd_end", "ready", "done", "sync", "comm", "evals", "opt", "data")
@@ -86,47 +87,6 @@ class StepMarks:
         return marks
 
 
-def _union(intervals: Iterable[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
-    """Sorted disjoint union of the intervals, clipped to [lo, hi]."""
-    out: list[tuple[float, float]] = []
-    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
-        if b <= a:
-            continue
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-def _uncovered(union: list[tuple[float, float]], covered: list[tuple[float, float]]) -> float:
-    """Length of ``union`` outside ``covered`` (both sorted and disjoint)."""
-    total, j = 0.0, 0
-    for a, b in union:
-        length = b - a
-        while j < len(covered) and covered[j][1] <= a:
-            j += 1
-        k = j
-        while k < len(covered) and covered[k][0] < b:
-            length -= min(b, covered[k][1]) - max(a, covered[k][0])
-            k += 1
-        total += length
-    return total
-
-
-def carve(layers: list[tuple[str, Iterable[tuple[float, float]]]], lo: float, hi: float) -> dict[str, float]:
-    """Seconds of [lo, hi] per label: each layer gets what no earlier layer covered. Pure."""
-    covered: list[tuple[float, float]] = []
-    out: dict[str, float] = {}
-    for label, intervals in layers:
-        union = _union(intervals, lo, hi)
-        if union:
-            out[label] = out.get(label, 0.0) + _uncovered(union, covered)
-            covered = _union([*covered, *union], lo, hi)
-    return out
-
-
 def _pair_buckets(
     ready: list[tuple[int, float]], done: list[tuple[int, float]], start: float
 ) -> tuple[list[int], list[float], list[float]]:
@@ -148,21 +108,9 @@ def _closed(pairs: Iterable[Any]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in pairs if b is not None]
 
 
-def _complement(union: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
-    """[lo, hi] minus a sorted disjoint union."""
-    out, at = [], lo
-    for a, b in union:
-        if a > at:
-            out.append((at, a))
-        at = max(at, b)
-    if hi > at:
-        out.append((at, hi))
-    return out
-
-
-def gaps(m: StepMarks, timed: list[tuple[float, float]], lo: float, hi: float) -> dict[str, float]:
-    """Seconds of [lo, hi] outside every ``timed`` interval, per :data:`~stragglerwatch.record.schema.GAPS`
-    entry: each untimed stretch is named by the training marks around it (a forward next: before
+def gaps(m: StepMarks, stretches: list[tuple[float, float]]) -> dict[str, float]:
+    """Seconds of the untimed ``stretches`` (sorted, disjoint) per :data:`~stragglerwatch.record.schema.GAPS`
+    entry: each stretch is named by the training marks around it (a forward next: before
     the forward; after a forward: between forward and backward; after a backward: between backward
     and the optimizer; after an optimizer step: after the optimizer). Pure."""
     anchors = sorted(
@@ -172,7 +120,7 @@ def gaps(m: StepMarks, timed: list[tuple[float, float]], lo: float, hi: float) -
     )  # fmt: skip
     times = [t for t, _ in anchors]
     out = dict.fromkeys(GAPS, 0.0)
-    for a, b in _complement(_union(timed, lo, hi), lo, hi):
+    for a, b in stretches:
         i = bisect.bisect_right(times, a) - 1  # the last mark at or before the stretch
         j = bisect.bisect_left(times, b)  # the first mark at or after it
         prev = anchors[i][1] if i >= 0 else None
@@ -222,8 +170,8 @@ def anatomy(
         ("backward", list(zip(m.bwd_start, m.bwd_end, strict=False))),
         ("optimizer", _closed(m.opt)),
     ]
-    untimed = gaps(m, [iv for _, intervals in layers for iv in intervals], start, end)
-    sec = carve([*layers, ("data_wait", gap)], start, end)
+    sec, stretches = carve_and_untimed([*layers, ("data_wait", gap)], len(layers), start, end)
+    untimed = gaps(m, stretches)
     get = sec.get
     allreduce_wait_s, collective_wait_s = get("allreduce_wait", 0.0), get("collective_wait", 0.0)
     eval_s = get("eval", 0.0)
