@@ -8,8 +8,8 @@ import random
 import pytest
 
 from stragglerwatch.record.schema import PHASE_COLUMNS, StepRecord, records_to_batch
-from stragglerwatch.runtime.intervals import _carve_python, _carve_sweep, carve
-from stragglerwatch.runtime.timing import StepMarks, anatomy
+from stragglerwatch.runtime.intervals import _carve_python, _carve_regions, _carve_sweep, carve
+from stragglerwatch.runtime.timing import StepMarks, anatomy, gaps
 
 
 def marks(**kw: object) -> StepMarks:
@@ -271,9 +271,43 @@ def test_the_sweep_and_the_python_carve_agree(seed: int) -> None:
     for label, seconds in py_sec.items():
         assert np_sec[label] == pytest.approx(seconds, abs=1e-12)
     assert len(np_free) == len(py_free)
-    for (a, b), (c, d) in zip(np_free, py_free, strict=True):
-        assert a == pytest.approx(c, abs=1e-12) and b == pytest.approx(d, abs=1e-12)
+    for (a, b, n), (c, d, o) in zip(np_free, py_free, strict=True):
+        assert a == pytest.approx(c, abs=1e-12) and b == pytest.approx(d, abs=1e-12) and n == pytest.approx(o)
     assert sum(np_sec.values()) <= 1.0 + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_the_region_carve_agrees_with_the_python_carve(seed: int) -> None:
+    """One layer of many sorted, disjoint intervals (collectives) among few others; the gaps named
+    by random anchors: the bounded path gives every layer and every gap the same seconds."""
+    rng = random.Random(seed)
+    layers = _random_layers(rng)
+    n = rng.choice((30, 80, 200))
+    cuts = sorted(rng.uniform(-0.05, 1.05) for _ in range(2 * n))
+    big = rng.randint(0, 2)
+    layers[big] = ("comm", list(zip(cuts[::2], cuts[1::2], strict=True)))
+    layers = [(label, iv[:3]) if k != big else (label, iv) for k, (label, iv) in enumerate(layers)]
+    timed = rng.randint(big + 1, len(layers))
+    ends = [t for k, (_, iv) in enumerate(layers[:timed]) if k != big for a, b in iv if a < b for t in (a, b)]
+    anchors = sorted((rng.choice(ends), rng.choice("FfBbOo")) for _ in range(rng.randint(0, 4) if ends else 0))
+    times = [t for t, _ in anchors]
+    regions = _carve_regions(layers, big, timed, 0.0, 1.0, times)
+    assert regions is not None, "anchors at the ends of timed intervals never lie inside an untimed stretch"
+    py_sec, py_free = _carve_python(layers, timed, 0.0, 1.0)
+    sec, free = regions
+    assert sec.keys() == py_sec.keys()
+    for label, seconds in py_sec.items():
+        assert sec[label] == pytest.approx(seconds, abs=1e-9), label
+    assert gaps(anchors, free) == pytest.approx(gaps(anchors, py_free), abs=1e-9)
+
+
+def test_the_region_carve_declines_what_it_cannot_do_exactly() -> None:
+    overlapping = [("comm", [(0.1, 0.3), (0.2, 0.4)] * 20), ("forward", [(0.0, 0.5)])]
+    assert _carve_regions(overlapping, 0, 2, 0.0, 1.0, ()) is None
+    comm = [(0.6 + i * 0.01, 0.605 + i * 0.01) for i in range(30)]
+    layers = [("comm", comm), ("forward", [(0.0, 0.5)])]
+    assert _carve_regions(layers, 0, 2, 0.0, 1.0, [0.55]) is None, "an open forward's start inside a gap"
+    assert _carve_regions(layers, 0, 2, 0.0, 1.0, [0.5]) is not None
 
 
 def test_a_step_with_hundreds_of_collectives_partitions_exactly() -> None:

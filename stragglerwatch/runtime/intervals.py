@@ -15,6 +15,7 @@ other on random marks).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
 from itertools import chain
 
@@ -22,8 +23,11 @@ import numpy as np
 
 Interval = tuple[float, float]
 Layer = tuple[str, Sequence[Sequence[float]]]
+#: An untimed stretch (start, end) and the untimed seconds in it (its length, or less where
+#: collectives inside it were counted without splitting it).
+Stretch = tuple[float, float, float]
 #: Seconds per label, and the untimed stretches.
-Carved = tuple[dict[str, float], list[Interval]]
+Carved = tuple[dict[str, float], list[Stretch]]
 
 #: Above this many intervals in a step, :func:`carve_and_untimed` uses the numpy sweep.
 SWEEP_ABOVE = 24
@@ -85,7 +89,7 @@ def carve(layers: Sequence[Layer], lo: float, hi: float) -> dict[str, float]:
 
 def _carve_python(layers: Sequence[Layer], timed: int, lo: float, hi: float) -> Carved:
     stretches = complement(union(chain.from_iterable(iv for _, iv in layers[:timed]), lo, hi), lo, hi)
-    return carve(layers, lo, hi), stretches
+    return carve(layers, lo, hi), [(a, b, b - a) for a, b in stretches]
 
 
 def _carve_sweep(layers: Sequence[Layer], timed: int, lo: float, hi: float) -> Carved:
@@ -96,7 +100,7 @@ def _carve_sweep(layers: Sequence[Layer], timed: int, lo: float, hi: float) -> C
     counts = [len(intervals) for _, intervals in layers]
     total = sum(counts)
     if not total:
-        return {}, ([(lo, hi)] if hi > lo else [])
+        return {}, ([(lo, hi, hi - lo)] if hi > lo else [])
     flat = chain.from_iterable(chain.from_iterable(intervals for _, intervals in layers))
     pairs = np.fromiter(flat, dtype=float, count=2 * total).reshape(-1, 2)
     starts, ends = np.maximum(pairs[:, 0], lo), np.minimum(pairs[:, 1], hi)
@@ -131,13 +135,89 @@ def _carve_sweep(layers: Sequence[Layer], timed: int, lo: float, hi: float) -> C
         return out, []
     cut = np.flatnonzero(a[1:] != b[:-1]) + 1  # where one untimed stretch ends and the next begins
     firsts, lasts = np.concatenate(([0], cut)), np.concatenate((cut - 1, [len(a) - 1]))
-    return out, list(zip(a[firsts].tolist(), b[lasts].tolist(), strict=True))
+    return out, [(x, y, y - x) for x, y in zip(a[firsts].tolist(), b[lasts].tolist(), strict=True)]
 
 
-def carve_and_untimed(layers: Sequence[Layer], timed: int, lo: float, hi: float) -> Carved:
+def _owner(layers: Sequence[Layer], skip: int, t: float) -> int | None:
+    """The first layer but ``skip`` with an interval around ``t`` (t is no endpoint of theirs)."""
+    for k, (_, intervals) in enumerate(layers):
+        if k != skip and any(a < t < b for a, b in intervals):
+            return k
+    return None
+
+
+def _carve_regions(layers: Sequence[Layer], big: int, timed: int, lo: float, hi: float,
+                   anchors: Sequence[float]) -> Carved | None:  # fmt: skip
+    """Bounded work for one layer of many sorted, disjoint intervals (collectives): the other
+    layers' endpoints and the anchors cut [lo, hi] into regions inside which every other layer
+    either covers all or nothing. The big layer's intervals that lie inside one region are only
+    summed per region (in numpy); the few that cross a boundary are carved with the rest in
+    Python. Each region's sum is then given to the big layer and taken from the layer that owns
+    that region, or from the untimed stretch around it. ``None`` where the preconditions fail
+    (overlapping intervals; an anchor inside an untimed stretch, where a split would rename a
+    gap): the caller sweeps instead."""
+    intervals = layers[big][1]
+    pairs = np.fromiter(chain.from_iterable(intervals), dtype=float, count=2 * len(intervals)).reshape(-1, 2)
+    starts, ends = np.maximum(pairs[:, 0], lo), np.minimum(pairs[:, 1], hi)
+    keep = ends > starts
+    if not keep.all():
+        starts, ends = starts[keep], ends[keep]
+    if len(starts) > 1 and not (starts[1:] >= ends[:-1]).all():
+        return None
+    bounds = {lo, hi, *(t for t in anchors if lo < t < hi)}
+    for k, (_, ivs) in enumerate(layers):
+        if k != big:
+            for a, b in ivs:
+                a, b = max(a, lo), min(b, hi)
+                if b > a:
+                    bounds.update((a, b))
+    cuts = np.array(sorted(bounds))
+    first, last = np.searchsorted(cuts, starts, "right"), np.searchsorted(cuts, ends, "left")
+    inside = first == last  # within one region: (cuts[k - 1], cuts[k])
+    cross = ~inside
+    label = layers[big][0]
+    rest = list(layers)
+    rest[big] = (label, list(zip(starts[cross].tolist(), ends[cross].tolist(), strict=True)))
+    sec, stretches = _carve_python(rest, timed, lo, hi)
+    if any(a < t < b for t in anchors for a, b, _ in stretches):
+        return None
+    if len(starts):
+        sec.setdefault(label, 0.0)
+    region = first[inside]
+    if not len(region):
+        return sec, stretches
+    sums = np.bincount(region, weights=(ends - starts)[inside])
+    taken = np.flatnonzero(sums)
+    at = starts[inside][np.searchsorted(region, taken)]  # an instant of each region's collectives
+    lefts = [a for a, _, _ in stretches]
+    less = [0.0] * len(stretches)
+    for k, seconds, t in zip(taken.tolist(), sums[taken].tolist(), at.tolist(), strict=True):
+        owner = _owner(layers, big, (cuts[k - 1] + cuts[k]) / 2)
+        if owner is not None and owner < big:
+            continue  # a layer above the big one has these instants
+        sec[label] += seconds
+        if owner is not None:
+            name = layers[owner][0]
+            sec[name] = max(0.0, sec[name] - seconds)
+        if owner is None or owner >= timed:
+            i = bisect.bisect_right(lefts, t) - 1
+            less[i] += seconds
+    return sec, [(a, b, max(0.0, n - d)) for (a, b, n), d in zip(stretches, less, strict=True)]
+
+
+def carve_and_untimed(layers: Sequence[Layer], timed: int, lo: float, hi: float,
+                      anchors: Sequence[float] = ()) -> Carved:  # fmt: skip
     """:func:`carve` of ``layers`` over [lo, hi], and the stretches that none of the first
-    ``timed`` layers covers (sorted, disjoint), by whichever implementation is faster for the
-    number of intervals."""
-    if sum(len(iv) for _, iv in layers) > SWEEP_ABOVE:
-        return _carve_sweep(layers, timed, lo, hi)
-    return _carve_python(layers, timed, lo, hi)
+    ``timed`` layers covers (sorted, disjoint), by whichever implementation is cheapest for the
+    number of intervals. ``anchors``: instants at which an untimed stretch changes its name
+    (:func:`~stragglerwatch.runtime.timing.gaps`)."""
+    counts = [len(iv) for _, iv in layers]
+    total = sum(counts)
+    if total <= SWEEP_ABOVE:
+        return _carve_python(layers, timed, lo, hi)
+    big = max(range(len(counts)), key=counts.__getitem__)
+    if total - counts[big] <= SWEEP_ABOVE:
+        carved = _carve_regions(layers, big, timed, lo, hi, anchors)
+        if carved is not None:
+            return carved
+    return _carve_sweep(layers, timed, lo, hi)

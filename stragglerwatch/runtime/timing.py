@@ -108,30 +108,35 @@ def _closed(pairs: Iterable[Any]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in pairs if b is not None]
 
 
-def gaps(m: StepMarks, stretches: list[tuple[float, float]]) -> dict[str, float]:
-    """Seconds of the untimed ``stretches`` (sorted, disjoint) per :data:`~stragglerwatch.record.schema.GAPS`
-    entry: each stretch is named by the training marks around it (a forward next: before
-    the forward; after a forward: between forward and backward; after a backward: between backward
-    and the optimizer; after an optimizer step: after the optimizer). Pure."""
-    anchors = sorted(
+def gap_anchors(m: StepMarks) -> list[tuple[float, str]]:
+    """The training marks that name an untimed stretch, sorted (see :func:`gaps`)."""
+    return sorted(
         [(t, "F") for t in m.fwd_start] + [(t, "f") for t in m.fwd_end] + [(t, "B") for t in m.bwd_start]
         + [(t, "b") for t in m.bwd_end] + [(b, "b") for _, b in m.sync]
         + [(a, "O") for a, _ in m.opt] + [(b, "o") for _, b in m.opt if b is not None]
     )  # fmt: skip
+
+
+def gaps(anchors: list[tuple[float, str]], stretches: list[tuple[float, float, float]]) -> dict[str, float]:
+    """The untimed seconds of ``stretches`` ((start, end, seconds), sorted, disjoint) per
+    :data:`~stragglerwatch.record.schema.GAPS` entry: each stretch is named by the training marks
+    around it (:func:`gap_anchors`; a forward next: before the forward; after a forward: between
+    forward and backward; after a backward: between backward and the optimizer; after an
+    optimizer step: after the optimizer). Pure."""
     times = [t for t, _ in anchors]
     out = dict.fromkeys(GAPS, 0.0)
-    for a, b in stretches:
+    for a, b, seconds in stretches:
         i = bisect.bisect_right(times, a) - 1  # the last mark at or before the stretch
         j = bisect.bisect_left(times, b)  # the first mark at or after it
         prev = anchors[i][1] if i >= 0 else None
         if prev is None or (j < len(anchors) and anchors[j][1] == "F"):
-            out["before_forward"] += b - a
+            out["before_forward"] += seconds
         elif prev in "Ff":
-            out["forward_backward"] += b - a
+            out["forward_backward"] += seconds
         elif prev in "Bb":
-            out["backward_optimizer"] += b - a
+            out["backward_optimizer"] += seconds
         else:
-            out["after_optimizer"] += b - a
+            out["after_optimizer"] += seconds
     return out
 
 
@@ -170,8 +175,9 @@ def anatomy(
         ("backward", list(zip(m.bwd_start, m.bwd_end, strict=False))),
         ("optimizer", _closed(m.opt)),
     ]
-    sec, stretches = carve_and_untimed([*layers, ("data_wait", gap)], len(layers), start, end)
-    untimed = gaps(m, stretches)
+    anchors = gap_anchors(m)
+    sec, stretches = carve_and_untimed([*layers, ("data_wait", gap)], len(layers), start, end, [t for t, _ in anchors])
+    untimed = gaps(anchors, stretches)
     get = sec.get
     allreduce_wait_s, collective_wait_s = get("allreduce_wait", 0.0), get("collective_wait", 0.0)
     eval_s = get("eval", 0.0)
