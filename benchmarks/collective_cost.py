@@ -1,20 +1,24 @@
 """Host cost of bracketing a collective where it is issued and where it is waited on (not a pytest test).
 
-One gloo rank in this process. Blocks of ``--calls`` collectives (a synchronous ``all_reduce`` of
-a small tensor, an asynchronous one waited on, a ``broadcast``) alternate: plain blocks with nothing
-of ours alive (no Watch: the taps are off the classes), instrumented blocks inside a training step
-of an attached model (attached before the block, closed after it, so every instrumented call goes
-through both brackets and the probe). Prints per kind the median time per call of each, and the
-median of the per-block differences: what a collective costs the training thread more.
+One gloo rank per process. Each run is a separate process, plain (never imports stragglerwatch) or
+instrumented (an attached model with a training step open, so that every call goes through both
+brackets and the probe); runs alternate, ``--runs`` of each. Per run and per kind (a synchronous
+``all_reduce`` of a small tensor, an asynchronous one waited on, a ``broadcast``): the median over
+``--blocks`` blocks of ``--calls`` calls of the time per call. Prints per kind the median of the
+runs and the difference: what a collective costs the training thread more.
 
     python benchmarks/collective_cost.py
-    python benchmarks/collective_cost.py --blocks 20 --calls 2000
+    python benchmarks/collective_cost.py --runs 8 --calls 4000
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,8 +26,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-
-import stragglerwatch
 
 
 def kinds(t: torch.Tensor) -> dict[str, Callable[[], None]]:
@@ -41,34 +43,54 @@ def block(call: Callable[[], None], n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--blocks", type=int, default=12, help="blocks of each (plain, instrumented) per kind")
-    p.add_argument("--calls", type=int, default=1000, help="collectives per block")
-    args = p.parse_args()
+def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank, this process
-    model = nn.Linear(4, 4)
     t = torch.ones(16)
-    run_dir = tempfile.mkdtemp(prefix="collective-cost-")
-    print(f"collective_cost: torch {torch.__version__}, gloo, 1 rank, {args.blocks} blocks x {args.calls} calls")
-    for name, call in kinds(t).items():
-        block(call, args.calls // 4)  # warm
-        plain, inst = [], []
-        for i in range(args.blocks):
-            for instrumented in ((False, True) if i % 2 == 0 else (True, False)):
-                if not instrumented:
-                    plain.append(block(call, args.calls))
-                    continue
-                watch = stragglerwatch.attach(model, run_dir, watchdog_timeout_s=0, context_interval_s=0,
-                                              control_interval_s=0, flush_interval_s=60)  # fmt: skip
-                model(torch.randn(2, 4))  # a step is open: every collective is this step's communication
-                inst.append(block(call, args.calls))
-                watch.close()
-        added = statistics.median(b - a for a, b in zip(plain, inst, strict=True)) * 1e6
-        print(f"  {name:28s} plain {statistics.median(plain) * 1e6:7.1f} us  instrumented "
-              f"{statistics.median(inst) * 1e6:7.1f} us  added {added:+6.1f} us a call (median of blocks)")  # fmt: skip
+    row = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        watch = None
+        if args.worker == "instrumented":
+            import stragglerwatch
+
+            model = nn.Linear(4, 4)
+            watch = stragglerwatch.attach(model, os.path.join(tmp, "run"), watchdog_timeout_s=0, context_interval_s=0,
+                                          control_interval_s=0, flush_interval_s=60)  # fmt: skip
+            model(torch.randn(2, 4))  # a step is open: every collective is this step's communication
+        for name, call in kinds(t).items():
+            block(call, args.calls // 4)  # warm
+            row[name] = statistics.median(block(call, args.calls) for _ in range(args.blocks))
+        if watch is not None:
+            watch.close()
     dist.destroy_process_group()
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=6, help="runs of each variant (default 6)")
+    p.add_argument("--blocks", type=int, default=5, help="blocks per kind in a run (default 5)")
+    p.add_argument("--calls", type=int, default=2000, help="collectives per block (default 2000)")
+    p.add_argument("--worker", choices=("plain", "instrumented"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    print(f"collective_cost: torch {torch.__version__}, gloo, 1 rank, {args.runs} runs of each variant (separate "
+          f"processes, alternating), {args.blocks} blocks x {args.calls} calls per kind")  # fmt: skip
+    runs: dict[str, list[dict[str, float]]] = {"plain": [], "instrumented": []}
+    for i in range(args.runs):
+        for variant in ("plain", "instrumented") if i % 2 == 0 else ("instrumented", "plain"):
+            cmd = [sys.executable, __file__, "--worker", variant, "--blocks", str(args.blocks),
+                   "--calls", str(args.calls)]  # fmt: skip
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout  # fmt: skip
+            runs[variant].append(json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:]))
+    for name in runs["plain"][0]:
+        plain = statistics.median(r[name] for r in runs["plain"])
+        inst = statistics.median(r[name] for r in runs["instrumented"])
+        print(f"  {name:28s} plain {plain * 1e6:7.1f} us  instrumented {inst * 1e6:7.1f} us  added "
+              f"{(inst - plain) * 1e6:+6.1f} us a call (medians of the runs)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,20 +1,24 @@
 """torch.compile: graph breaks and step time with and without stragglerwatch (not a pytest test).
 
-One process, gloo, world size 1, ``torch.compile(DDP(model))`` with the chosen backend (default:
-inductor, what users get). Two identical compiled DDP models train side by side, one plain and one
-attached after compile as the README says; blocks of steps alternate between them (and which goes
-first). Prints Dynamo's graph-break count and number of graphs of each, the median step time of
-each and the attached/plain ratio of the per-block medians.
+One rank, gloo, world size 1, ``torch.compile(DDP(model))`` with the chosen backend (default:
+inductor, what users get). Each run is a separate process: a plain one never imports
+stragglerwatch, an attached one attaches after compile as the docs say. Runs alternate (and
+which goes first), ``--pairs`` of each. Per run: Dynamo's graph-break count and number of graphs,
+the first three steps (the compile), and over ``--steps`` timed steps the mean, median and p99
+step. Prints each run, then the medians and the attached/plain ratios.
 
     python benchmarks/compile_overhead.py
-    python benchmarks/compile_overhead.py --backend aot_eager --blocks 20
+    python benchmarks/compile_overhead.py --backend aot_eager --pairs 2
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -23,8 +27,6 @@ import torch._dynamo as dynamo
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import stragglerwatch
 
 
 class Net(nn.Module):
@@ -60,55 +62,79 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch
     opt.zero_grad(set_to_none=True)
 
 
+def worker(args: argparse.Namespace) -> None:
+    """One run; prints its figures as JSON. Imports stragglerwatch only when attached."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank, this process
+    x, y = torch.randn(args.batch, args.width), torch.randint(0, 10, (args.batch,))
+    ddp = DDP(make_model(args.width))
+    model = torch.compile(ddp, backend=args.backend)
+    with tempfile.TemporaryDirectory() as tmp:
+        watch = None
+        if args.worker == "attached":
+            import stragglerwatch
+
+            watch = stragglerwatch.attach(model, os.path.join(tmp, "run"), watchdog_timeout_s=0)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        t0 = time.perf_counter()
+        breaks, graphs = compile_and_count(model, opt, x, y)
+        row = {"breaks": breaks, "graphs": graphs, "compile_s": time.perf_counter() - t0}
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            step(model, opt, x, y)
+            times.append(time.perf_counter() - t0)
+        ordered = sorted(times)
+        row.update(mean_s=statistics.fmean(times), median_s=statistics.median(times),
+                   p99_s=ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))])  # fmt: skip
+        if watch is not None:
+            row["busy_unavailable"] = watch.stats()["busy_unavailable"]
+            watch.close()
+            row["recorded"] = len(stragglerwatch.load_run(os.path.join(tmp, "run")))
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+def run(variant: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--worker", variant, "--backend", args.backend, "--width", str(args.width),
+           "--batch", str(args.batch), "--steps", str(args.steps)]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout  # fmt: skip
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="inductor")
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--blocks", type=int, default=30)
-    p.add_argument("--steps", type=int, default=20, help="steps per block")
+    p.add_argument("--pairs", type=int, default=3, help="runs of each variant (default 3)")
+    p.add_argument("--steps", type=int, default=600, help="timed steps per run (default 600)")
+    p.add_argument("--worker", choices=("plain", "attached"), help=argparse.SUPPRESS)
     args = p.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank, this process
-    x, y = torch.randn(args.batch, args.width), torch.randint(0, 10, (args.batch,))
-    variants, counts = {}, {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in ("plain", "attached"):
-            dynamo.reset()
-            ddp = DDP(make_model(args.width))
-            model = torch.compile(ddp, backend=args.backend)
-            watch = None
-            if name == "attached":
-                watch = stragglerwatch.attach(model, os.path.join(tmp, "run"), watchdog_timeout_s=0)
-            opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-            t0 = time.perf_counter()
-            counts[name] = (*compile_and_count(model, opt, x, y), time.perf_counter() - t0)
-            variants[name] = (model, opt, watch)
-        per_block: dict[str, list[float]] = {n: [] for n in variants}
-        for b in range(args.blocks):
-            for name in list(variants)[:: 1 if b % 2 == 0 else -1]:
-                model, opt, _ = variants[name]
-                times = []
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    step(model, opt, x, y)
-                    times.append(time.perf_counter() - t0)
-                per_block[name].append(statistics.median(times))
-        unavailable = variants["attached"][2].stats()["busy_unavailable"]
-        variants["attached"][2].close()
-        recorded = len(stragglerwatch.load_run(os.path.join(tmp, "run")))
-    dist.destroy_process_group()
-    print(f"torch.compile(DDP(model)), backend={args.backend}, torch {torch.__version__}, "
-          f"{args.blocks} blocks x {args.steps} steps, interleaved")  # fmt: skip
-    for name, (breaks, graphs, secs) in counts.items():
-        print(f"  {name:9s} graph breaks {breaks}, graphs {graphs}, first 3 steps (compile) {secs:.1f} s, "
-              f"median step {statistics.median(per_block[name]) * 1e3:.3f} ms")  # fmt: skip
-    ratios = [a / p for a, p in zip(per_block["attached"], per_block["plain"], strict=True)]
-    of_medians = statistics.median(per_block["attached"]) / statistics.median(per_block["plain"])
-    added_us = (statistics.median(per_block["attached"]) - statistics.median(per_block["plain"])) * 1e6
-    print(f"  attached/plain: ratio of medians {of_medians:.3f} ({added_us:+.0f} us a step), "
-          f"per-block ratios median {statistics.median(ratios):.3f}")  # fmt: skip
-    print(f"  steps recorded {recorded}, busy_unavailable {unavailable or 'none'}")
+    if args.worker:
+        worker(args)
+        return
+    print(f"torch.compile(DDP(model)), backend={args.backend}, torch {torch.__version__}, {args.pairs} "
+          f"pairs of separate runs (plain never imports stragglerwatch), {args.steps} timed steps each, "
+          "alternating")  # fmt: skip
+    runs: dict[str, list[dict]] = {"plain": [], "attached": []}
+    for i in range(args.pairs):
+        for variant in ("plain", "attached") if i % 2 == 0 else ("attached", "plain"):
+            row = run(variant, args)
+            runs[variant].append(row)
+            print(f"  {variant:8s} graph breaks {row['breaks']}, graphs {row['graphs']}, compile "
+                  f"{row['compile_s']:.1f} s, mean {row['mean_s'] * 1e3:.3f} ms, median "
+                  f"{row['median_s'] * 1e3:.3f} ms, p99 {row['p99_s'] * 1e3:.3f} ms", flush=True)  # fmt: skip
+    med = {v: {k: statistics.median(r[k] for r in rows) for k in ("mean_s", "median_s", "p99_s")}
+           for v, rows in runs.items()}  # fmt: skip
+    a, b = med["attached"], med["plain"]
+    print(f"  attached/plain (medians of the runs): mean step {a['mean_s'] / b['mean_s']:.3f} "
+          f"({(a['mean_s'] - b['mean_s']) * 1e6:+.0f} us a step), median step {a['median_s'] / b['median_s']:.3f}, "
+          f"p99 step {a['p99_s'] / b['p99_s']:.3f}")  # fmt: skip
+    last = runs["attached"][-1]
+    print(f"  steps recorded {last['recorded']} of {args.steps + 3}, busy_unavailable "
+          f"{last['busy_unavailable'] or 'none'}")
 
 
 if __name__ == "__main__":

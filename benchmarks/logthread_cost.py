@@ -1,0 +1,124 @@
+"""The log thread's CPU per step, by collectives per step (not a pytest test).
+
+The training thread only appends marks; the step log thread turns each step's marks into a record
+(``timing.anatomy``: carving the step into phases, naming the gaps) and writes it. That work grows
+with the intervals a step holds, and FSDP issues hundreds of collectives a step. The thread holds
+the interpreter lock while it runs Python, so its CPU is taken from the training thread's.
+
+For each count of collectives: one gloo rank in this process, a model whose forward issues that
+many synchronous ``all_reduce`` calls of a small tensor, attached with the default settings; the
+log thread's own CPU clock (``pthread_getcpuclockid``) read before the timed steps and after a
+flush that wrote them, divided by the steps. Beside it, ``anatomy`` alone on the same shape of
+marks, called directly (the pure function's cost, without the write).
+
+    python benchmarks/logthread_cost.py
+    python benchmarks/logthread_cost.py --collectives 2 100 400 1000 --steps 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import threading
+import time
+import timeit
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import stragglerwatch
+from stragglerwatch.runtime.timing import StepMarks, anatomy
+
+TARGET_US = 100.0
+
+
+class Chatty(nn.Module):
+    """A linear layer whose forward issues ``n`` collectives (as FSDP's all-gathers would)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+        self.lin = nn.Linear(16, 16)
+        self.flag = torch.zeros(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.n):
+            dist.all_reduce(self.flag)
+        return self.lin(x)
+
+
+def thread_cpu(name_prefix: str) -> float:
+    """CPU seconds of the live thread whose name starts with ``name_prefix``."""
+    for t in threading.enumerate():
+        if t.name.startswith(name_prefix) and t.ident is not None:
+            return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+    raise RuntimeError(f"no thread named {name_prefix}*")
+
+
+def log_thread_per_step(n: int, steps: int, tmp: str) -> float:
+    model = Chatty(n)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 16)
+    watch = stragglerwatch.attach(model, os.path.join(tmp, f"run-{n}"), optimizer=opt)
+    try:
+        for _ in range(5):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        watch.flush()
+        before, written = thread_cpu("stragglerwatch-log-"), watch.stats()["steps_written"]
+        for _ in range(steps):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        watch.flush()
+        cpu, done = thread_cpu("stragglerwatch-log-") - before, watch.stats()["steps_written"] - written
+    finally:
+        watch.close()
+    return cpu / max(1, done)
+
+
+def synthetic_marks(n: int) -> StepMarks:
+    """A step of one forward and one backward with ``n`` collectives inside them, an optimizer step."""
+    m = StepMarks(1, 0.0, 0.0)
+    m.fwd_start, m.fwd_end, m.bwd_start, m.bwd_end = [0.001], [0.4], [0.4], [0.9]
+    m.comm = [(0.001 + i * 0.89 / n, 0.001 + i * 0.89 / n + 0.3 / n) for i in range(n)]
+    m.sync = [(0.88, 0.9)]
+    m.opt = [[0.9, 0.95]]
+    m.end = 1.0
+    return m
+
+
+def anatomy_alone(n: int, calls: int = 300) -> float:
+    m = synthetic_marks(n)
+    timer = timeit.Timer(lambda: anatomy(m, 0, 0.0), timer=time.thread_time)
+    return min(timer.repeat(number=calls, repeat=7)) / calls
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--collectives", type=int, nargs="+", default=[2, 100, 400], help="per step (default 2 100 400)")
+    p.add_argument("--steps", type=int, default=300, help="timed steps per count (default 300)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per count; the median is printed (default 3)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    print(f"log thread CPU per step, 1 gloo rank, default settings, {args.steps} steps, median of {args.repeats} "
+          f"runs (target: {TARGET_US:.0f} us at 400 collectives)")  # fmt: skip
+    print("| collectives a step | log thread CPU a step | of it: anatomy alone |")
+    print("|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            for n in args.collectives:
+                cpu = statistics.median(log_thread_per_step(n, args.steps, tmp) for _ in range(args.repeats))
+                print(f"| {n} | {cpu * 1e6:.0f} us | {anatomy_alone(n) * 1e6:.0f} us |", flush=True)
+        finally:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
