@@ -2,15 +2,19 @@
 
 A step's marks are intervals in layers of decreasing rank (communication, evaluation, data,
 forward, backward, optimizer, the inferred data gap). :func:`carve` gives every instant of
-``[lo, hi]`` to the first layer that covers it, and :func:`untimed` lists the stretches no
-layer covers.
+``[lo, hi]`` to the first layer that covers it; :func:`carve_and_untimed` also lists the
+stretches no timed layer covers.
 
-Two implementations of the same definition: plain Python for the common step (a handful of
-intervals, where it is fastest), and a sweep over the sorted endpoints in numpy for steps with
-many collectives (FSDP issues hundreds a step; the Python passes cost ~2.5 us per interval of
-the log thread's time, the sweep a fixed ~40 us and a few nanoseconds per interval). Both give
-the same seconds to within float rounding (``tests/test_timing.py`` checks them against each
-other on random marks).
+Three implementations of the same definition, chosen by :func:`carve_and_untimed`:
+
+- plain Python for the common step (a handful of intervals), where it is fastest;
+- :func:`_carve_regions` for a step whose many intervals are one layer's sorted, disjoint ones
+  (the collectives of an FSDP step, hundreds of them): the work in Python is bounded by the
+  other marks, the collectives are only summed, in numpy;
+- a numpy sweep over all endpoints for anything else with many intervals.
+
+They give the same seconds to within float rounding (``tests/test_timing.py`` checks them against
+the Python one on random marks); ``benchmarks/logthread_cost.py`` measures what they cost.
 """
 
 from __future__ import annotations
@@ -174,21 +178,24 @@ def _carve_regions(layers: Sequence[Layer], big: int, timed: int, lo: float, hi:
     cuts = np.array(sorted(bounds))
     first, last = np.searchsorted(cuts, starts, "right"), np.searchsorted(cuts, ends, "left")
     inside = first == last  # within one region: (cuts[k - 1], cuts[k])
-    cross = ~inside
     label = layers[big][0]
     rest = list(layers)
-    rest[big] = (label, list(zip(starts[cross].tolist(), ends[cross].tolist(), strict=True)))
+    if inside.all():  # the common case: no collective spans another mark
+        rest[big] = (label, [])
+    else:
+        cross = ~inside
+        rest[big] = (label, list(zip(starts[cross].tolist(), ends[cross].tolist(), strict=True)))
+        starts, ends, first = starts[inside], ends[inside], first[inside]
     sec, stretches = _carve_python(rest, timed, lo, hi)
     if any(a < t < b for t in anchors for a, b, _ in stretches):
         return None
-    if len(starts):
+    if len(starts) or rest[big][1]:
         sec.setdefault(label, 0.0)
-    region = first[inside]
-    if not len(region):
+    if not len(first):
         return sec, stretches
-    sums = np.bincount(region, weights=(ends - starts)[inside])
+    sums = np.bincount(first, weights=ends - starts)
     taken = np.flatnonzero(sums)
-    at = starts[inside][np.searchsorted(region, taken)]  # an instant of each region's collectives
+    at = starts[np.searchsorted(first, taken)]  # an instant of each region's collectives
     lefts = [a for a, _, _ in stretches]
     less = [0.0] * len(stretches)
     for k, seconds, t in zip(taken.tolist(), sums[taken].tolist(), at.tolist(), strict=True):
