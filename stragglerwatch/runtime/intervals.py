@@ -20,7 +20,7 @@ the Python one on random marks); ``benchmarks/logthread_cost.py`` measures what 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from itertools import chain
 
 import numpy as np
@@ -37,8 +37,12 @@ Carved = tuple[dict[str, float], list[Stretch]]
 SWEEP_ABOVE = 24
 
 
-def union(intervals: Iterable[Sequence[float]], lo: float, hi: float) -> list[Interval]:
+def union(intervals: Sequence[Sequence[float]], lo: float, hi: float) -> list[Interval]:
     """Sorted disjoint union of the intervals, clipped to [lo, hi]."""
+    if len(intervals) == 1:  # most layers of a step: one forward, one backward, one optimizer step
+        ((a, b),) = intervals
+        a, b = max(a, lo), min(b, hi)
+        return [(a, b)] if b > a else []
     out: list[Interval] = []
     for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
         if b <= a:
@@ -81,19 +85,25 @@ def complement(union_: list[Interval], lo: float, hi: float) -> list[Interval]:
 def carve(layers: Sequence[Layer], lo: float, hi: float) -> dict[str, float]:
     """Seconds of [lo, hi] per label: each layer gets what no earlier layer covered (a label may
     name several layers; it gets their sum). Labels whose intervals are all empty are absent."""
-    covered: list[Interval] = []
-    out: dict[str, float] = {}
-    for label, intervals in layers:
-        u = union(intervals, lo, hi)
-        if u:
-            out[label] = out.get(label, 0.0) + _uncovered(u, covered)
-            covered = union([*covered, *u], lo, hi)
-    return out
+    return _carve_python(layers, 0, lo, hi)[0]
 
 
 def _carve_python(layers: Sequence[Layer], timed: int, lo: float, hi: float) -> Carved:
-    stretches = complement(union(chain.from_iterable(iv for _, iv in layers[:timed]), lo, hi), lo, hi)
-    return carve(layers, lo, hi), [(a, b, b - a) for a, b in stretches]
+    covered: list[Interval] = []
+    timed_cover: list[Interval] = []
+    out: dict[str, float] = {}
+    for k, (label, intervals) in enumerate(layers):
+        if k == timed:
+            timed_cover = covered
+        if not intervals:
+            continue
+        u = union(intervals, lo, hi)
+        if u:
+            out[label] = out.get(label, 0.0) + (_uncovered(u, covered) if covered else sum(b - a for a, b in u))
+            covered = union([*covered, *u], lo, hi) if covered else u
+    if timed >= len(layers):
+        timed_cover = covered
+    return out, [(a, b, b - a) for a, b in complement(timed_cover, lo, hi)]
 
 
 def _carve_sweep(layers: Sequence[Layer], timed: int, lo: float, hi: float) -> Carved:
@@ -161,13 +171,12 @@ def _carve_regions(layers: Sequence[Layer], big: int, timed: int, lo: float, hi:
     (overlapping intervals; an anchor inside an untimed stretch, where a split would rename a
     gap): the caller sweeps instead."""
     intervals = layers[big][1]
-    pairs = np.fromiter(chain.from_iterable(intervals), dtype=float, count=2 * len(intervals)).reshape(-1, 2)
-    starts, ends = np.maximum(pairs[:, 0], lo), np.minimum(pairs[:, 1], hi)
-    keep = ends > starts
-    if not keep.all():
-        starts, ends = starts[keep], ends[keep]
-    if len(starts) > 1 and not (starts[1:] >= ends[:-1]).all():
+    flat = np.fromiter(chain.from_iterable(intervals), dtype=float, count=2 * len(intervals))
+    if not (np.diff(flat) >= 0).all():  # start <= end <= next start: sorted and disjoint
         return None
+    if flat[0] < lo or flat[-1] > hi:  # what lies outside becomes empty, and empty is harmless
+        flat = np.clip(flat, lo, hi)
+    starts, ends = flat[0::2], flat[1::2]
     bounds = {lo, hi, *(t for t in anchors if lo < t < hi)}
     for k, (_, ivs) in enumerate(layers):
         if k != big:
