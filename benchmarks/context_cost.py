@@ -4,9 +4,10 @@ sample, on the host and, where NVML and a GPU are present, on the GPU.
 For each part, ``--samples`` samples back to back (after a warm-up): the median and 95th
 percentile wall time per sample, and the CPU time of the sampling thread per sample (an upper
 bound on the time it can hold the GIL, i.e. take from the training thread). The host part runs
-with ``--workers`` idle child processes (data-loader workers are read too). At the default
-interval of 1 s, the cost per second of training is the cost of one sample. Then the cost of
-writing a batch of 10 rows to the context stream.
+first with no child process, then with ``--workers`` idle child processes (data-loader workers
+are read too): the cost per child is the difference over their number. At the default interval
+of 1 s, the cost per second of training is the cost of one sample (printed as a share of one
+core). Then the cost of writing a batch of 10 rows to the context stream.
 
     python benchmarks/context_cost.py
     python benchmarks/context_cost.py --samples 500 --workers 8 --gpu 0
@@ -65,16 +66,23 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # a training process has torch's threads: the host sampler reads every thread's children
 
     print(f"torch {torch.__version__}, {args.samples} samples per part")
+    host = HostSampler()
+    alone = measure(host.sample, args.samples)
+    print(line("host sample, no child process", alone))
     ctx = mp.get_context("fork")
     workers = [ctx.Process(target=_idle, args=(600,), daemon=True) for _ in range(args.workers)]
     for w in workers:
         w.start()
     try:
-        host = HostSampler()
         row = host.sample()
         print(f"host: {row['cpus']} CPUs, affinity {row['affinity']}, {row['workers']} child processes seen, "
               f"/proc/pressure {'present' if row['cpu_pressure'] == row['cpu_pressure'] else 'absent'}")  # fmt: skip
-        print(line("host sample", measure(host.sample, args.samples)))
+        with_workers = measure(host.sample, args.samples)
+        print(line(f"host sample, {args.workers} children", with_workers))
+        if args.workers:
+            print(f"per child process: {(with_workers['median_us'] - alone['median_us']) / args.workers:.0f} µs; at "
+                  f"1 Hz: {alone['median_us'] / 1e4:.3f}% of one core, {with_workers['median_us'] / 1e4:.3f}% with "
+                  f"{args.workers} children")  # fmt: skip
         gpu = open_gpu(args.gpu)
         if gpu is None:
             print("gpu sample                   (no NVML or no GPU here: nothing sampled, nothing costs)")

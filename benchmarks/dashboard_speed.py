@@ -6,8 +6,10 @@
    source follows it on its own thread, polling every ``--poll`` s. For every flush the path a
    user waits for is timed: from the flush on disk until the source holds the updated analysis,
    then the refresh callback's figures and table serialised to the JSON Dash sends. Prints the
-   median and worst per 1,000 steps. When the run stops growing, checks that the source settles on
-   the report ``analyze`` gives.
+   median and worst per 1,000 steps, and how soon a flush shows with the page's refresh period on
+   top. Before the source starts, times what a flush would cost a source that re-read and
+   re-analysed the whole run. When the run stops growing, checks that the source settles on the
+   report ``analyze`` gives, and prints the memory of the followed run's arrays per record.
 2. ``render`` only: the refresh callback's work on a prepared snapshot of ``--steps`` steps.
 
     python benchmarks/dashboard_speed.py [--ranks 1024 --first 2000 --steps 10000 --flush-steps 10]
@@ -16,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import tempfile
@@ -32,6 +35,9 @@ from stragglerwatch.presentation.dashboard.app import render
 from stragglerwatch.presentation.dashboard.sources import RunDirSource
 from stragglerwatch.record.simulate import GrowingRun, Injection, SimConfig, to_frame
 
+POLL_S = inspect.signature(RunDirSource).parameters["interval_s"].default  # the dashboard's default
+REFRESH_S = 0.5  # the page's default refresh period (``--refresh-ms 500``)
+
 
 def to_json(out: dict) -> int:
     """The JSON Dash sends for one refresh; its size in bytes."""
@@ -45,11 +51,17 @@ def end_to_end(cfg: SimConfig, first: int, flush_steps: int, poll_s: float) -> N
         run = Path(tmp) / "run"
         grower = GrowingRun(run, cfg)
         grower.flush(first)
+        t0 = time.perf_counter()
+        whole = analyze_run(run)
+        to_json(render(Snapshot(whole, [], version=1), None))
+        whole_s = time.perf_counter() - t0
+        print(f"end-to-end: re-reading and re-analysing the whole run at {first} steps, then the figures and JSON "
+              f"(what every flush would cost without incremental following): {whole_s:.1f} s")  # fmt: skip
         source = RunDirSource(run, interval_s=poll_s).start()  # its thread polls, as in the dashboard
         print(f"end-to-end: {cfg.ranks} ranks, {first} steps written; a flush of {flush_steps} steps to every "
               f"rank's stream at a time up to {cfg.steps}; the source polls every {poll_s} s")  # fmt: skip
         window: dict[str, list[float]] = {"source": [], "render + JSON": [], "total": []}
-        worst, size = 0.0, 0
+        worst, size, totals = 0.0, 0, []
         for upto in range(first + flush_steps, cfg.steps + 1, flush_steps):
             before = source.snapshot().version
             grower.flush(upto)
@@ -64,6 +76,7 @@ def end_to_end(cfg: SimConfig, first: int, flush_steps: int, poll_s: float) -> N
             for name, dt in zip(window, (t1 - t0, t2 - t1, t2 - t0), strict=True):
                 window[name].append(dt)
             worst = max(worst, t2 - t0)
+            totals.append(t2 - t0)
             if upto % 1000 == 0 or upto == cfg.steps:
                 parts = ", ".join(f"{k} {statistics.median(v):.2f}/{max(v):.2f} s" for k, v in window.items())
                 print(f"  steps {upto - 999 if upto >= 1000 else 0}-{upto}: median/worst {parts}", flush=True)
@@ -77,7 +90,13 @@ def end_to_end(cfg: SimConfig, first: int, flush_steps: int, poll_s: float) -> N
         source.stop()
         same = report == json.loads(json.dumps(analyze_run(run).report))
         print(f"end-to-end: worst {worst:.2f} s; payload {size / 1e6:.2f} MB; plus up to the page's refresh "
-              f"period (the dashboard's default: 0.5 s) until the browser asks")  # fmt: skip
+              f"period (the dashboard's default: {REFRESH_S} s) until the browser asks: a flush shows in about "
+              f"{statistics.median(totals) + REFRESH_S / 2:.1f} s typically (median + half the period), within "
+              f"{worst + REFRESH_S:.1f} s at worst")  # fmt: skip
+        live = source.live
+        kept = sum(a[: rows.n].nbytes for rows in (live.data, live.det) for a in rows.arrays.values())
+        print(f"end-to-end: the followed run's arrays hold {kept / 1e9:.2f} GB, "
+              f"{kept / (cfg.ranks * cfg.steps):.0f} bytes a record")  # fmt: skip
         print(f"end-to-end: the run stopped growing; settled on the exact analysis in {settled:.1f} s; the same "
               f"report as analyze: {same}")  # fmt: skip
 
@@ -88,7 +107,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10_000, help="steps at the end (end-to-end) or of the snapshot")
     p.add_argument("--first", type=int, default=2000, help="end-to-end: steps written before the dashboard starts")
     p.add_argument("--flush-steps", type=int, default=10, help="end-to-end: steps a flush adds to every rank")
-    p.add_argument("--poll", type=float, default=0.25, help="end-to-end: the source's polling period (s)")
+    p.add_argument("--poll", type=float, default=POLL_S, help="end-to-end: the source's polling period (s)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--part", choices=("end-to-end", "render", "both"), default="both")
     args = p.parse_args()

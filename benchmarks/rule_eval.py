@@ -22,6 +22,9 @@ Method, for each mode (``full``, ``lean``):
 
 The length of the history (``--hours``) changes the size on disk, not what an evaluation reads.
 
+``--series`` only counts the series of one rank's real scrape, CPU and GPU, in both modes (by kind,
+and without the histograms' ``_bucket`` series), and needs no Prometheus.
+
 Every process and file it makes is gone when it ends (``--port`` 29090 by default; the exporter
 used in step 1 listens on the port after it).
 """
@@ -62,13 +65,14 @@ GPU_ROW = {"gpu": 0, "gpu_uuid": "GPU-00000000", "sm_clock_mhz": 1755.0, "sm_clo
 Sample = tuple[str, str, str, dict[str, str], float]  # family, type, sample name, labels, value
 
 
-def one_rank(mode: str, port: int) -> list[Sample]:
-    """The samples of one GPU rank, from a real scrape (OpenMetrics) of a real exporter in ``mode``."""
+def one_rank(mode: str, port: int, gpu: bool = True) -> list[Sample]:
+    """The samples of one GPU (or CPU) rank, from a real scrape (OpenMetrics) of a real exporter in ``mode``."""
     sampler = ContextSampler(None, 0, open_gpu_sampler=lambda: None)
     sampler.sample_once()
     time.sleep(0.5)  # rates (CPU steal, context switches) need two samples apart
     sampler.sample_once()
-    sampler.latest = {**sampler.latest, **GPU_ROW}
+    if gpu:
+        sampler.latest = {**sampler.latest, **GPU_ROW}
     metrics = RankMetrics()
     step, comm = sum(PHASE_S.values()), PHASE_S["allreduce_wait"] + PHASE_S["collective_wait"]
     metrics.observe([StepRecord(0, 1, time.time() - step, *PHASE_S.values(), step, step - comm, comm, 1, "cuda",
@@ -85,6 +89,25 @@ def one_rank(mode: str, port: int) -> list[Sample]:
             exporter.close()
     return [(f.name, f.type, s.name, dict(s.labels), s.value) for f in text_string_to_metric_families(text)
             for s in f.samples]  # fmt: skip
+
+
+def series_counts(port: int) -> None:
+    """Print the series of one rank's scrape, CPU and GPU, full and lean, by kind."""
+    kinds = {"stragglerwatch_gpu_": "GPU context", "stragglerwatch_host_": "host context",
+             "stragglerwatch_process_": "host context", "stragglerwatch_workers": "host context",
+             "stragglerwatch_context_": "host context", "stragglerwatch_watchdog_": "watchdog",
+             "stragglerwatch_phase_seconds": "phase histograms", "stragglerwatch_step_seconds": "step histogram",
+             "stragglerwatch_busy_seconds": "busy histogram"}  # fmt: skip
+    for mode in ("full", "lean"):
+        for gpu in (False, True):
+            samples = one_rank(mode, port, gpu)
+            by_kind: dict[str, int] = {}
+            for family, *_ in samples:
+                kind = next((k for prefix, k in kinds.items() if family.startswith(prefix)), "other rank series")
+                by_kind[kind] = by_kind.get(kind, 0) + 1
+            buckets = sum(name.endswith("_bucket") for _, _, name, _, _ in samples)
+            print(f"{mode} mode, {'GPU' if gpu else 'CPU'} rank: {len(samples)} series, {len(samples) - buckets} "
+                  f"without _bucket; " + ", ".join(f"{k} {n}" for k, n in by_kind.items()))  # fmt: skip
 
 
 def profile(rank: int) -> dict[str, float]:
@@ -293,10 +316,13 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     for name, values in r["evaluations"].items():
         spread = " / ".join(f"{ms(f(values)):>9s}" for f in (min, statistics.median, max))
         line = f"    {name:44s} {spread}"
+        if name.startswith("group "):
+            line += f"   (median {statistics.median(values) / max(min(values), 1e-9):.1f}x the min)"
         if name in r["queries"]:
             exec_s, read, out = r["queries"][name]
             line += f"   query {ms(exec_s):>9s}, {read:>7,} samples, {out:>5,} series"
         print(line)
+    print(f"  the recording rules' expressions together read {sum(q[1] for q in r['queries'].values()):,} samples")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,7 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--evaluations", type=int, default=8, help="evaluations of each group to measure")
     parser.add_argument("--modes", default="full,lean")
     parser.add_argument("--port", type=int, default=29090, help="Prometheus; the sample exporter uses the next")
+    parser.add_argument("--series", action="store_true", help="only count one rank's series (no Prometheus needed)")
     args = parser.parse_args(argv)
+    if args.series:
+        series_counts(args.port + 1)
+        return 0
     if PROMETHEUS is None or shutil.which("promtool") is None:
         print("needs prometheus and promtool (Debian's 'prometheus' package)")
         return 2

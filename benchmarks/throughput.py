@@ -8,7 +8,8 @@ medians of wall time and peak memory (max RSS) and their ratio.
 
 ``--engine ray`` times ``analyze --engine ray`` instead, on a local Ray started by the child
 process with every CPU here, and reports the peak memory of each Ray worker process (polled),
-the driver's, and whether the stragglers equal the local engine's (``--compare``).
+the driver's, and (``--compare``) whether the stragglers and the whole JSON report, key for key,
+equal the local engine's.
 
     python benchmarks/throughput.py [--ranks 1024 --steps 10000] [--run-dir DIR]
     python benchmarks/throughput.py --ranks 10000 --steps 10000 --run-dir DIR --engine ray --compare
@@ -50,9 +51,13 @@ def measure(cmd: list[str]) -> tuple[float, float, str]:
 RAY_RUN = """
 import json, sys, time
 from stragglerwatch.analysis.rayengine import analyze_on_ray
+from stragglerwatch.evidence.combine import add_flight_recorder, add_hang_verdict
 t0 = time.perf_counter()
 say = lambda stage: print(f"  {time.perf_counter() - t0:6.1f} s  {stage}", file=sys.stderr)
-print(json.dumps(analyze_on_ray(sys.argv[1], progress=say).report))
+report = analyze_on_ray(sys.argv[1], progress=say).report
+add_flight_recorder(report, None)  # as `analyze --format json` does: the same keys as the local report
+add_hang_verdict(report)
+print(json.dumps(report))
 """
 
 
@@ -124,9 +129,11 @@ def main() -> None:
         print(f"simulated {args.ranks} x {args.steps} in {time.perf_counter() - t0:.1f} s")
     records = args.ranks * args.steps
     if args.engine == "ray":
-        wall, rss, worker, n, out = measure_ray(run)
-        found = [(s["rank"], s["cause"], s["first_step"], s["last_step"]) for s in json.loads(out)["stragglers"]]
-        print(f"analyze --engine ray: {wall:.1f} s, {records / wall / 1e6:.2f} M records/s; peak RSS of the driver "
+        wall, rss, worker, n, out_ray = measure_ray(run)
+        found = [(s["rank"], s["cause"], s["first_step"], s["last_step"]) for s in json.loads(out_ray)["stragglers"]]
+        cpus = os.cpu_count() or 1
+        print(f"analyze --engine ray: {wall:.1f} s, {records / wall / 1e6:.2f} M records/s "
+              f"({records / wall / 1e6 / cpus:.2f} M a second per CPU, {cpus} CPUs); peak RSS of the driver "
               f"{rss:.2f} GiB; the largest of {n} Ray worker processes: peak RSS {worker[0]:.2f} GiB (with the "
               f"object store's pages it reads), peak USS {worker[1]:.2f} GiB (its own memory)")  # fmt: skip
         print(f"  stragglers found: {found}")
@@ -145,7 +152,9 @@ def main() -> None:
     print(f"analyze --format json: {wall:.1f} s, peak RSS {rss:.2f} GiB, {records / wall / 1e6:.2f} M records/s")
     print(f"  stragglers found: {local}")
     if args.engine == "ray":
-        print(f"  the same as the Ray engine's: {local == found}")
+        same = json.dumps(report, sort_keys=True) == json.dumps(json.loads(out_ray), sort_keys=True)
+        print(f"  the same as the Ray engine's: {local == found}; the JSON report equals the Ray engine's key for key: "
+              f"{same}")  # fmt: skip
         return
     pwall, prss = statistics.median(r[0] for r in reads), statistics.median(r[1] for r in reads)
     ratio = statistics.median(a[0] / b[0] for a, b in zip(runs, reads, strict=True))
