@@ -7,7 +7,9 @@ log-normal jitter (``noise``) and a per-step job-wide drift; transient spikes hi
 random (step, rank) cells; optionally the noise of real clusters (persistent per-rank
 offsets, heavy-tailed spikes, periodic job-wide stalls, noise shared by a host's ranks,
 slow per-rank drift, per-step residuals resampled from real healthy runs); an injected
-straggler adds ``slowdown`` x base to its cause's phase from ``onset`` to ``end``. The all-reduce barrier makes every
+straggler adds ``slowdown`` x base to its cause's phase from ``onset`` to ``end``; held-out kinds, also
+off by default: two-mode steps, slow drift shared by a host's ranks, stragglers that come and go or move
+between ranks, and excess split between phases as real causes mix. The all-reduce barrier makes every
 rank's step the busiest rank's busy time plus the transfer time, so each rank's
 exposed wait is ``step - busy`` — the same arithmetic as a real run.
 """
@@ -41,6 +43,12 @@ class Injection:
     onset: int = 0
     cause: str = "compute"
     end: int | None = None  # first healthy step again; None = until the end
+    # held-out kinds, all off by default (an injection without them is simulated exactly as before):
+    mix: dict[str, float] | None = None  # phase column -> share of the excess (normalised); None: ``cause``'s phases
+    period: int = 0  # on-off: slow for the first ``duty`` steps of every ``period`` steps from ``onset``
+    duty: int = 0
+    moves: tuple[int, ...] = ()  # moving: every ``move_every`` steps the slow rank becomes the next of these
+    move_every: int = 0  # (cycling through ``rank``, *moves)
 
     @classmethod
     def parse(cls, text: str) -> Injection:
@@ -58,6 +66,46 @@ class Injection:
         if cause not in CAUSE_PHASES:
             raise ValueError(f"straggler {text!r}: cause must be one of {', '.join(CAUSE_PHASES)}")
         return cls(rank, slowdown, onset, cause, end)
+
+    def plain(self) -> bool:
+        """No held-out option: one rank, steady, its cause's phases in their usual proportions."""
+        return self.mix is None and not (self.period and self.duty) and not (self.moves and self.move_every)
+
+    def expand(self, steps: int) -> list[Injection]:
+        """A moving straggler as one injection per stint (rank and steps), none of them moving; any
+        other injection as itself. An on-off pattern restarts at each stint's onset."""
+        if not (self.moves and self.move_every):
+            return [self]
+        path, every, out = (self.rank, *self.moves), max(1, self.move_every), []
+        stop = steps if self.end is None else min(steps, self.end)
+        for k, start in enumerate(range(max(0, self.onset), stop, every)):
+            out.append(replace(self, rank=path[k % len(path)], onset=start, end=min(start + every, stop), moves=(),
+                               move_every=0))  # fmt: skip
+        return out
+
+    def active(self, steps: int) -> np.ndarray:
+        """Steps at which this (non-moving) injection adds its excess, as a boolean array."""
+        on = np.zeros(steps, dtype=bool)
+        on[slice(max(0, self.onset), self.end)] = True
+        if self.period and self.duty:
+            on &= (np.arange(steps) - self.onset) % self.period < self.duty
+        return on
+
+    def shares(self) -> dict[str, float]:
+        """Phase column -> share of the excess: ``mix`` normalised, or ``cause``'s phases by their usual size."""
+        if self.mix is None:
+            phases = CAUSE_PHASES[self.cause]
+            return {c: PHASE_SHARES[c] / sum(PHASE_SHARES[p] for p in phases) for c in phases}
+        bad = [c for c in self.mix if c not in PHASE_SHARES]
+        total = sum(self.mix.values())
+        if bad or not total > 0 or min(self.mix.values()) < 0:
+            raise ValueError(f"straggler mix {self.mix}: non-negative shares of {', '.join(PHASE_SHARES)}")
+        return {c: v / total for c, v in self.mix.items()}
+
+    def main_cause(self) -> str:
+        """The cause (``CAUSE_PHASES``) that holds most of the excess."""
+        shares = self.shares()
+        return max(CAUSE_PHASES, key=lambda c: sum(shares.get(col, 0.0) for col in CAUSE_PHASES[c]))
 
 
 @dataclass
@@ -84,6 +132,12 @@ class SimConfig:
     drift_steps: int = 3000  # ... and its correlation time in steps (5 minutes of 100 ms steps)
     bootstrap: str = ""  # file of real healthy per-step residuals (see ``read_residuals``) to resample
     bootstrap_block: int = 25  # steps per resampled block (keeps the real runs' short-range correlation)
+    # held-out noise kinds, all off by default (each drawn from a generator of its own)
+    bimodal_prob: float = 0.0  # two-mode steps: a (step, rank) is in the slow mode with this probability
+    bimodal_mag: float = 0.3  # ... which makes every phase this much longer (relative)
+    bimodal_hold: int = 1  # mean run of slow-mode steps (1: independent per step; > 1: a two-state Markov chain)
+    host_drift: float = 0.0  # slow drift shared by a host's ranks (mean-reverting, log scale): its sd
+    host_drift_steps: int = 3000  # ... and its correlation time in steps
 
 
 @dataclass
@@ -109,9 +163,13 @@ def simulate_arrays(cfg: SimConfig, job: JobSteps | None = None) -> dict[str, np
     spikes = rng.random(shape, dtype=np.float32) < cfg.spike_prob
     out["other_s"] += spikes * (cfg.spike_mag * base)
     _realistic_noise(cfg, out, spikes, base)
+    _heldout_noise(cfg, out)
     for inj in cfg.injections:
         if not 0 <= inj.rank < cfg.ranks:
             raise ValueError(f"straggler rank {inj.rank} outside 0..{cfg.ranks - 1}")
+        if not inj.plain():
+            _inject(inj, out, cfg.ranks, base)
+            continue
         rows = slice(max(0, inj.onset), inj.end)
         phases = CAUSE_PHASES[inj.cause]
         for col in phases:
@@ -126,6 +184,76 @@ def simulate_arrays(cfg: SimConfig, job: JobSteps | None = None) -> dict[str, np
     out["collective_wait_s"] = np.zeros(shape)
     out["eval_s"] = np.zeros(shape)
     return out
+
+
+def _inject(inj: Injection, out: dict[str, np.ndarray], ranks: int, base: float) -> None:
+    """An injection with held-out options (mixed phases, on-off, moving), in place."""
+    steps = len(out["other_s"])
+    shares = inj.shares()
+    for part in inj.expand(steps):
+        if not 0 <= part.rank < ranks:
+            raise ValueError(f"straggler rank {part.rank} outside 0..{ranks - 1}")
+        on = part.active(steps)
+        for col, share in shares.items():
+            out[col][on, part.rank] += inj.slowdown * base * share
+
+
+def injected(cfg: SimConfig) -> np.ndarray:
+    """Steps x ranks: the slowdown the injections add at each step (0.2 = 20% of the base step), their truth."""
+    truth = np.zeros((cfg.steps, cfg.ranks))
+    for inj in cfg.injections:
+        for part in inj.expand(cfg.steps):
+            if not 0 <= part.rank < cfg.ranks:
+                raise ValueError(f"straggler rank {part.rank} outside 0..{cfg.ranks - 1}")
+            truth[part.active(cfg.steps), part.rank] += inj.slowdown
+    return truth
+
+
+def _mean_reverting(rng: np.random.Generator, steps: int, series: int, sd: float, tau: int) -> np.ndarray:
+    """Steps x series of an Ornstein-Uhlenbeck process (log scale): sd ``sd``, correlation time ``tau`` steps."""
+    phi = float(np.exp(-1.0 / max(1, tau)))
+    kick = rng.standard_normal((steps, series)) * sd * np.sqrt(1.0 - phi**2)
+    level = rng.standard_normal(series) * sd
+    out = np.empty((steps, series))
+    for s in range(steps):
+        level = phi * level + kick[s]
+        out[s] = level
+    return out
+
+
+def two_mode(rng: np.random.Generator, steps: int, series: int, prob: float, hold: int) -> np.ndarray:
+    """Steps x series booleans, True in the slow mode (probability ``prob``): independent per step, or for
+    ``hold`` > 1 a two-state Markov chain whose slow runs last ``hold`` steps on average."""
+    if hold <= 1:
+        return rng.random((steps, series)) < prob
+    leave = 1.0 / hold
+    enter = min(1.0, prob * leave / max(1e-12, 1.0 - prob))
+    draws = rng.random((steps, series))
+    slow = np.empty((steps, series), dtype=bool)
+    state = rng.random(series) < prob
+    for s in range(steps):
+        state = np.where(state, draws[s] >= leave, draws[s] < enter)
+        slow[s] = state
+    return slow
+
+
+def _heldout_noise(cfg: SimConfig, out: dict[str, np.ndarray]) -> None:
+    """The held-out noise kinds (two-mode steps, host drift), in place; each from a generator of its own,
+    so that switching one on changes nothing else of the simulation."""
+    if not (cfg.bimodal_prob or cfg.host_drift):
+        return
+    steps, ranks = out["other_s"].shape
+    factor = np.ones((steps, ranks))
+    if cfg.host_drift:
+        hosts = np.arange(ranks) // max(1, cfg.ranks_per_host)
+        level = _mean_reverting(np.random.default_rng([cfg.seed, 3]), steps, int(hosts[-1]) + 1, cfg.host_drift,
+                                cfg.host_drift_steps)  # fmt: skip
+        factor *= np.exp(level)[:, hosts]
+    if cfg.bimodal_prob:
+        slow = two_mode(np.random.default_rng([cfg.seed, 4]), steps, ranks, cfg.bimodal_prob, cfg.bimodal_hold)
+        factor *= 1.0 + cfg.bimodal_mag * slow
+    for col in PHASE_SHARES:
+        out[col] *= factor
 
 
 def _realistic_noise(cfg: SimConfig, out: dict[str, np.ndarray], spikes: np.ndarray, base: float) -> None:
@@ -217,14 +345,15 @@ def _rank_blocks(cfg: SimConfig) -> dict[int, int]:
 
 def _block_config(cfg: SimConfig, lo: int, size: int) -> SimConfig:
     """The simulation of ranks ``lo:lo+size``: its own noise, the job's stragglers among them."""
-    injections = [replace(i, rank=i.rank - lo) for i in cfg.injections if lo <= i.rank < lo + size]
+    parts = [p for i in cfg.injections for p in (i.expand(cfg.steps) if not i.plain() else [i])]
+    injections = [replace(i, rank=i.rank - lo) for i in parts if lo <= i.rank < lo + size]
     return replace(cfg, ranks=size, seed=cfg.seed * 1_000_003 + lo + 1, injections=injections)
 
 
 def _job_steps(cfg: SimConfig, blocks: dict[int, int]) -> JobSteps:
     """The job's shared per-step values; the slowest rank's busy time over every block (each block is
     simulated twice, so that no more than one is in memory)."""
-    for injection in cfg.injections:
+    for injection in (p for i in cfg.injections for p in i.expand(cfg.steps)):
         if not 0 <= injection.rank < cfg.ranks:
             raise ValueError(f"straggler rank {injection.rank} outside 0..{cfg.ranks - 1}")
     rng = np.random.default_rng([cfg.seed, 2])
@@ -260,6 +389,22 @@ def rank_table(arrays: dict[str, np.ndarray], rank: int, column: int, start_time
     return pa.Table.from_pydict({f.name: columns[f.name] for f in STEP_SCHEMA}, schema=STEP_SCHEMA)
 
 
+#: Options added for held-out evaluation: left out of run.json while at their defaults (as before them).
+_HELDOUT_SIM = {"bimodal_prob": 0.0, "bimodal_mag": 0.3, "bimodal_hold": 1, "host_drift": 0.0, "host_drift_steps": 3000}
+_HELDOUT_INJ = {"mix": None, "period": 0, "duty": 0, "moves": (), "move_every": 0}
+
+
+def _as_recorded(cfg: SimConfig) -> dict:
+    """``asdict(cfg)`` without the held-out options that are at their defaults."""
+
+    def trim(d: dict, defaults: dict) -> dict:
+        return {k: v for k, v in d.items() if k not in defaults or v != defaults[k]}
+
+    sim = trim(asdict(cfg), _HELDOUT_SIM)
+    sim["injections"] = [trim(i, _HELDOUT_INJ) for i in sim["injections"]]
+    return sim
+
+
 def write_run(out_dir: str | Path, cfg: SimConfig, progress: Callable[[int, int], None] | None = None) -> Path:
     """Write a complete run dir (run.json, rank-*.json, rank-*.parquet) for ``cfg``."""
     out = Path(out_dir)
@@ -271,7 +416,7 @@ def write_run(out_dir: str | Path, cfg: SimConfig, progress: Callable[[int, int]
     t0 = time.time() - float(step.sum())
     start_time = t0 + np.concatenate(([0.0], np.cumsum(step[:-1])))
     run_id = f"sim-{out.resolve().name}"
-    sim = asdict(cfg)
+    sim = _as_recorded(cfg)
     write_json_atomic(
         out / "run.json",
         {"run_id": run_id, "world_size": cfg.ranks, "created": time.time(), "schema": "stragglerwatch-run",
