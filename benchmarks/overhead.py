@@ -129,6 +129,8 @@ def ddp_worker(args: argparse.Namespace) -> None:
         row["close_max_s"] = max((c for c in closes if c is not None), default=None)
         print("RESULT " + json.dumps(row), flush=True)
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # past here only interpreter teardown, where gloo's threads have aborted a rank now and then
 
 
 def run_ddp(variant: str, args: argparse.Namespace, tmp: str, n: int) -> dict[str, Any]:
@@ -138,9 +140,17 @@ def run_ddp(variant: str, args: argparse.Namespace, tmp: str, n: int) -> dict[st
            "--run-dir", os.path.join(tmp, f"run{n}")]  # fmt: skip
     if args.scrape and variant == "attached":
         cmd += ["--metrics-port", str(args.scrape_port)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout  # fmt: skip
-    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+    return result(cmd)
+
+
+def result(cmd: list[str]) -> dict[str, Any]:
+    """The RESULT line of a run; a failed run ends the benchmark with its stderr's last lines."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        tail = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("[W"))[-3000:]
+        sys.exit(f"overhead: a run failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+    return json.loads(lines[-1][7:])
 
 
 scraper_stats = {"ok": 0, "failed": 0}
@@ -258,9 +268,7 @@ def bucket_worker(args: argparse.Namespace) -> None:
 def run_bucket_worker(variant: str, buckets: int, steps: int) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--worker", "buckets", "--variant", variant, "--buckets", str(buckets),
            "--steps", str(steps)]  # fmt: skip
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout  # fmt: skip
-    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+    return result(cmd)
 
 
 def buckets_bench(args: argparse.Namespace) -> None:
