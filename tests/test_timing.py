@@ -299,6 +299,11 @@ def test_the_region_carve_agrees_with_the_python_carve(seed: int) -> None:
     for label, seconds in py_sec.items():
         assert sec[label] == pytest.approx(seconds, abs=1e-9), label
     assert gaps(anchors, free) == pytest.approx(gaps(anchors, py_free), abs=1e-9)
+    anywhere = sorted((rng.uniform(-0.1, 1.1), rng.choice("FfBbOo")) for _ in range(3))
+    regions = _carve_regions(layers, big, timed, 0.0, 1.0, [t for t, _ in anywhere])
+    if regions is not None:  # declined where an anchor lies inside an untimed stretch; else the same
+        assert regions[0] == pytest.approx(py_sec, abs=1e-9)
+        assert gaps(anywhere, regions[1]) == pytest.approx(gaps(anywhere, py_free), abs=1e-9)
 
 
 def test_the_region_carve_declines_what_it_cannot_do_exactly() -> None:

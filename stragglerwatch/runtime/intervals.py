@@ -172,18 +172,20 @@ def _carve_regions(layers: Sequence[Layer], big: int, timed: int, lo: float, hi:
     gap): the caller sweeps instead."""
     intervals = layers[big][1]
     flat = np.fromiter(chain.from_iterable(intervals), dtype=float, count=2 * len(intervals))
-    if not (np.diff(flat) >= 0).all():  # start <= end <= next start: sorted and disjoint
+    if not (flat[1:] >= flat[:-1]).all():  # start <= end <= next start: sorted and disjoint
         return None
     if flat[0] < lo or flat[-1] > hi:  # what lies outside becomes empty, and empty is harmless
         flat = np.clip(flat, lo, hi)
     starts, ends = flat[0::2], flat[1::2]
-    bounds = {lo, hi, *(t for t in anchors if lo < t < hi)}
+    bounds, timed_ends = {lo, hi}, set()
     for k, (_, ivs) in enumerate(layers):
         if k != big:
             for a, b in ivs:
                 a, b = max(a, lo), min(b, hi)
                 if b > a:
-                    bounds.update((a, b))
+                    (timed_ends if k < timed else bounds).update((a, b))
+    odd = [t for t in anchors if lo < t < hi and t not in timed_ends]  # may lie inside an untimed stretch
+    bounds.update(timed_ends, odd)
     cuts = np.array(sorted(bounds))
     first, last = np.searchsorted(cuts, starts, "right"), np.searchsorted(cuts, ends, "left")
     inside = first == last  # within one region: (cuts[k - 1], cuts[k])
@@ -196,7 +198,7 @@ def _carve_regions(layers: Sequence[Layer], big: int, timed: int, lo: float, hi:
         rest[big] = (label, list(zip(starts[cross].tolist(), ends[cross].tolist(), strict=True)))
         starts, ends, first = starts[inside], ends[inside], first[inside]
     sec, stretches = _carve_python(rest, timed, lo, hi)
-    if any(a < t < b for t in anchors for a, b, _ in stretches):
+    if any(a < t < b for t in odd for a, b, _ in stretches):
         return None
     if len(starts) or rest[big][1]:
         sec.setdefault(label, 0.0)
