@@ -8,8 +8,11 @@ the interpreter lock while it runs Python, so its CPU is taken from the training
 For each count of collectives: one gloo rank in this process, a model whose forward issues that
 many synchronous ``all_reduce`` calls of a small tensor, attached with the default settings; the
 log thread's own CPU clock (``pthread_getcpuclockid``) read before the timed steps and after a
-flush that wrote them, divided by the steps. Beside it, ``anatomy`` alone on the same shape of
-marks, called directly (the pure function's cost, without the write).
+flush that wrote them, divided by the steps. Beside it, the same marks (a step's, kept) replayed
+into a writer of its own with no training thread running (the thread's own work: in the job, a
+training thread that releases the interpreter lock at every collective makes the log thread take
+it back many times a flush), and ``anatomy`` alone on synthetic marks of that many collectives,
+called directly (the pure function, without the write).
 
     python benchmarks/logthread_cost.py
     python benchmarks/logthread_cost.py --collectives 2 100 400 1000 --steps 500
@@ -18,12 +21,14 @@ marks, called directly (the pure function's cost, without the write).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import tempfile
 import threading
 import time
 import timeit
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,6 +36,7 @@ from torch import nn
 
 import stragglerwatch
 from stragglerwatch.runtime.timing import StepMarks, anatomy
+from stragglerwatch.runtime.writer import EventLogWriter
 
 TARGET_US = 100.0
 
@@ -58,11 +64,21 @@ def thread_cpu(name_prefix: str) -> float:
     raise RuntimeError(f"no thread named {name_prefix}*")
 
 
-def log_thread_per_step(n: int, steps: int, tmp: str) -> float:
+def log_thread_per_step(n: int, steps: int, tmp: str) -> tuple[float, StepMarks | None]:
+    """The log thread's CPU per step of an attached job, and the marks of one of its steps."""
     model = Chatty(n)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(8, 16)
     watch = stragglerwatch.attach(model, os.path.join(tmp, f"run-{n}"), optimizer=opt)
+    kept: list[StepMarks] = []
+    submit = watch._writer.submit
+
+    def keep(marks: StepMarks) -> None:  # measurement only: one step's marks kept for the replay
+        if len(kept) < 10:
+            kept.append(marks)
+        submit(marks)
+
+    watch._probe._sink = keep
     try:
         for _ in range(5):
             model(x).sum().backward()
@@ -78,6 +94,24 @@ def log_thread_per_step(n: int, steps: int, tmp: str) -> float:
         cpu, done = thread_cpu("stragglerwatch-log-") - before, watch.stats()["steps_written"] - written
     finally:
         watch.close()
+    return cpu / max(1, done), (kept[-1] if kept else None)
+
+
+def writer_alone(marks: StepMarks, steps: int, tmp: str) -> float:
+    """The log thread's CPU per step for the same marks replayed into a writer of its own, with no
+    training thread running: its own work, without contention for the interpreter lock."""
+    folder = Path(tmp) / f"alone-{len(marks.comm)}"
+    folder.mkdir(exist_ok=True)
+    writer = EventLogWriter(folder / "rank-00000.arrows", 0, 0.0, flush_interval_s=3600)
+    try:
+        writer.request_flush()
+        before = thread_cpu("stragglerwatch-log-")
+        for _ in range(steps):
+            writer.submit(copy.copy(marks))
+        writer.request_flush()
+        cpu, done = thread_cpu("stragglerwatch-log-") - before, writer.steps_written
+    finally:
+        writer.close()
     return cpu / max(1, done)
 
 
@@ -107,15 +141,19 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"log thread CPU per step, 1 gloo rank, default settings, {args.steps} steps, median of {args.repeats} "
           f"runs (target: {TARGET_US:.0f} us at 400 collectives)")  # fmt: skip
-    print("| collectives a step | log thread CPU a step | of it: anatomy alone |")
-    print("|---|---|---|")
+    print("| collectives a step | log thread CPU a step, in the job | the same marks, writer alone | "
+          "anatomy alone (synthetic marks) |")  # fmt: skip
+    print("|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         try:
             for n in args.collectives:
-                cpu = statistics.median(log_thread_per_step(n, args.steps, tmp) for _ in range(args.repeats))
-                print(f"| {n} | {cpu * 1e6:.0f} us | {anatomy_alone(n) * 1e6:.0f} us |", flush=True)
+                runs = [log_thread_per_step(n, args.steps, tmp) for _ in range(args.repeats)]
+                cpu, marks = statistics.median(c for c, _ in runs), runs[-1][1]
+                alone = [writer_alone(marks, args.steps, tmp) for _ in range(args.repeats)] if marks else []
+                print(f"| {n} | {cpu * 1e6:.0f} us | {statistics.median(alone) * 1e6 if alone else float('nan'):.0f} "
+                      f"us | {anatomy_alone(n) * 1e6:.0f} us |", flush=True)  # fmt: skip
         finally:
             dist.destroy_process_group()
 
