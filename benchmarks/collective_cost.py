@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from separate import in_turns, result
 from torch import nn
 
 
@@ -79,13 +79,9 @@ def main() -> None:
     print(f"collective_cost: torch {torch.__version__}, gloo, 1 rank, {args.runs} runs of each variant (separate "
           f"processes, alternating), {args.blocks} blocks x {args.calls} calls per kind")  # fmt: skip
     runs: dict[str, list[dict[str, float]]] = {"plain": [], "instrumented": []}
-    for i in range(args.runs):
-        for variant in ("plain", "instrumented") if i % 2 == 0 else ("instrumented", "plain"):
-            cmd = [sys.executable, __file__, "--worker", variant, "--blocks", str(args.blocks),
-                   "--calls", str(args.calls)]  # fmt: skip
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600,
-                                 env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout  # fmt: skip
-            runs[variant].append(json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:]))
+    for _, variant in in_turns(args.runs, ("plain", "instrumented")):
+        cmd = [sys.executable, __file__, "--worker", variant, "--blocks", str(args.blocks), "--calls", str(args.calls)]
+        runs[variant].append(result(cmd, timeout_s=600))
     for name in runs["plain"][0]:
         plain = statistics.median(r[name] for r in runs["plain"])
         inst = statistics.median(r[name] for r in runs["instrumented"])

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ import time
 import torch
 import torch._dynamo as dynamo
 import torch.distributed as dist
+from separate import in_turns, result, step_summary
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -84,9 +84,7 @@ def worker(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             step(model, opt, x, y)
             times.append(time.perf_counter() - t0)
-        ordered = sorted(times)
-        row.update(mean_s=statistics.fmean(times), median_s=statistics.median(times),
-                   p99_s=ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))])  # fmt: skip
+        row.update(step_summary(times))
         if watch is not None:
             row["busy_unavailable"] = watch.stats()["busy_unavailable"]
             watch.close()
@@ -98,9 +96,7 @@ def worker(args: argparse.Namespace) -> None:
 def run(variant: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, "--backend", args.backend, "--width", str(args.width),
            "--batch", str(args.batch), "--steps", str(args.steps)]  # fmt: skip
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout  # fmt: skip
-    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+    return result(cmd, timeout_s=1800)
 
 
 def main() -> None:
@@ -119,13 +115,12 @@ def main() -> None:
           f"pairs of separate runs (plain never imports stragglerwatch), {args.steps} timed steps each, "
           "alternating")  # fmt: skip
     runs: dict[str, list[dict]] = {"plain": [], "attached": []}
-    for i in range(args.pairs):
-        for variant in ("plain", "attached") if i % 2 == 0 else ("attached", "plain"):
-            row = run(variant, args)
-            runs[variant].append(row)
-            print(f"  {variant:8s} graph breaks {row['breaks']}, graphs {row['graphs']}, compile "
-                  f"{row['compile_s']:.1f} s, mean {row['mean_s'] * 1e3:.3f} ms, median "
-                  f"{row['median_s'] * 1e3:.3f} ms, p99 {row['p99_s'] * 1e3:.3f} ms", flush=True)  # fmt: skip
+    for _, variant in in_turns(args.pairs, ("plain", "attached")):
+        row = run(variant, args)
+        runs[variant].append(row)
+        print(f"  {variant:8s} graph breaks {row['breaks']}, graphs {row['graphs']}, compile "
+              f"{row['compile_s']:.1f} s, mean {row['mean_s'] * 1e3:.3f} ms, median "
+              f"{row['median_s'] * 1e3:.3f} ms, p99 {row['p99_s'] * 1e3:.3f} ms", flush=True)  # fmt: skip
     med = {v: {k: statistics.median(r[k] for r in rows) for k in ("mean_s", "median_s", "p99_s")}
            for v, rows in runs.items()}  # fmt: skip
     a, b = med["attached"], med["plain"]

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from separate import in_turns, result, step_summary
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -57,16 +57,6 @@ def step_fn(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: to
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-
-
-def summary(times: list[float], wall: float) -> dict[str, float]:
-    return {"wall_s": wall, "mean_s": statistics.fmean(times), "median_s": statistics.median(times),
-            "p99_s": p99(times), "steps": len(times)}  # fmt: skip
 
 
 # --- ddp: a torchrun job per run --------------------------------------------------------------
@@ -116,7 +106,7 @@ def ddp_worker(args: argparse.Namespace) -> None:
         step_fn(model, opt, *batches[i % len(batches)])
         times.append(time.perf_counter() - t0)
     dist.barrier()
-    row.update(summary(times, time.perf_counter() - start))
+    row.update(step_summary(times, time.perf_counter() - start))
     if watch is not None:
         t0 = time.perf_counter()
         watch.close()
@@ -143,16 +133,6 @@ def run_ddp(variant: str, args: argparse.Namespace, tmp: str, n: int) -> dict[st
     return result(cmd)
 
 
-def result(cmd: list[str]) -> dict[str, Any]:
-    """The RESULT line of a run; a failed run ends the benchmark with its stderr's last lines."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        tail = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("[W"))[-3000:]
-        sys.exit(f"overhead: a run failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
-    return json.loads(lines[-1][7:])
-
-
 scraper_stats = {"ok": 0, "failed": 0}
 
 
@@ -176,13 +156,12 @@ def ddp_bench(args: argparse.Namespace) -> None:
     if args.scrape:
         threading.Thread(target=scrape_loop, args=(args.scrape_port, 4, stop), daemon=True).start()
     with tempfile.TemporaryDirectory() as tmp:
-        for p in range(args.pairs):
-            for variant in ("plain", "attached") if p % 2 == 0 else ("attached", "plain"):
-                row = run_ddp(variant, args, tmp, 2 * p + len(runs[variant]))
-                runs[variant].append(row)
-                print(f"  pair {p + 1} {variant:8s} wall {row['wall_s']:.3f} s, mean {row['mean_s'] * 1e3:.2f} "
-                      f"ms, median {row['median_s'] * 1e3:.2f} ms, p99 {row['p99_s'] * 1e3:.2f} ms",
-                      flush=True)  # fmt: skip
+        for p, variant in in_turns(args.pairs, ("plain", "attached")):
+            row = run_ddp(variant, args, tmp, 2 * p + len(runs[variant]))
+            runs[variant].append(row)
+            print(f"  pair {p + 1} {variant:8s} wall {row['wall_s']:.3f} s, mean {row['mean_s'] * 1e3:.2f} "
+                  f"ms, median {row['median_s'] * 1e3:.2f} ms, p99 {row['p99_s'] * 1e3:.2f} ms",
+                  flush=True)  # fmt: skip
     stop.set()
     med = {v: {k: statistics.median(r[k] for r in rows) for k in ("wall_s", "mean_s", "median_s", "p99_s")}
            for v, rows in runs.items()}  # fmt: skip
@@ -258,7 +237,7 @@ def bucket_worker(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             step_fn(ddp, opt, *batches[i % 16])
             times.append(time.perf_counter() - t0)
-        row: dict[str, Any] = {"buckets": count_buckets(ddp), **summary(times, time.perf_counter() - start)}
+        row: dict[str, Any] = {"buckets": count_buckets(ddp), **step_summary(times, time.perf_counter() - start)}
         if watch is not None:
             watch.close()
         dist.destroy_process_group()
@@ -282,9 +261,8 @@ def buckets_bench(args: argparse.Namespace) -> None:
     variants = ("plain", "attached", "bucket_timings")
     for n in BUCKETS:
         rows: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
-        for r in range(args.bucket_runs):
-            for v in variants if r % 2 == 0 else variants[::-1]:
-                rows[v].append(run_bucket_worker(v, n, steps))
+        for _, v in in_turns(args.bucket_runs, variants):
+            rows[v].append(run_bucket_worker(v, n, steps))
         med = {v: {k: statistics.median(x[k] for x in rs) for k in ("mean_s", "p99_s")} for v, rs in rows.items()}
         buckets = rows["plain"][0]["buckets"] or n
 
@@ -337,7 +315,7 @@ def marks_bench(n: int = 20000) -> None:
         return marks.mark()
 
     cuda = per_step(StepProbe(sink.append, counted, lambda: True), sink)
-    per_mark = made[0] / (n * 5 + 1)  # per_step runs 5 repeats of n steps
+    per_mark = made[0] / (n * 5)  # per_step runs 5 repeats of n steps
     one = min(timeit.repeat(lambda: torch.cuda.Event(enable_timing=True).record(), number=n, repeat=5)) / n
     print("marks: the probe's hooks of one step (forward pre/post with the output's grad hook, optimizer pre/post), "
           "called directly")  # fmt: skip

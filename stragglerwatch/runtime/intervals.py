@@ -33,8 +33,8 @@ Stretch = tuple[float, float, float]
 #: Seconds per label, and the untimed stretches.
 Carved = tuple[dict[str, float], list[Stretch]]
 
-#: Above this many intervals in a step, :func:`carve_and_untimed` uses the numpy sweep.
-SWEEP_ABOVE = 24
+#: Up to this many intervals in a step (or besides its one big layer), the Python carve does it all.
+PYTHON_UP_TO = 24
 
 
 def union(intervals: Sequence[Sequence[float]], lo: float, hi: float) -> list[Interval]:
@@ -231,10 +231,10 @@ def carve_and_untimed(layers: Sequence[Layer], timed: int, lo: float, hi: float,
     (:func:`~stragglerwatch.runtime.timing.gaps`)."""
     counts = [len(iv) for _, iv in layers]
     total = sum(counts)
-    if total <= SWEEP_ABOVE:
+    if total <= PYTHON_UP_TO:
         return _carve_python(layers, timed, lo, hi)
     big = max(range(len(counts)), key=counts.__getitem__)
-    if total - counts[big] <= SWEEP_ABOVE:
+    if total - counts[big] <= PYTHON_UP_TO:
         carved = _carve_regions(layers, big, timed, lo, hi, anchors)
         if carved is not None:
             return carved
