@@ -129,6 +129,42 @@ def test_lean_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch, caplog:
         Config.resolve(prometheus_mode="slim")
 
 
+@pytest.mark.parametrize("lean", [False, True])
+def test_work_counters_sum_the_measured_steps_in_both_modes(lean: bool, tmp_path: Path) -> None:
+    """``work_total{unit}`` and ``work_steps_total``: only steps whose work was measured count, each unit
+    its own series (a bounded number of them), in the full and the lean mode alike."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from synthetic_ranks import step_record
+
+    from stragglerwatch.record.rundir import RunInfo
+    from stragglerwatch.runtime.exporter import MAX_UNITS, RankCollector, RankMetrics
+
+    metrics = RankMetrics()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RankCollector(metrics, RunInfo("w", tmp_path, 0, 0, 1, "node-0"), lean=lean))
+
+    def families() -> dict:
+        return {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+
+    before = families()
+    assert not before["stragglerwatch_work"].samples, "no unit before a measured step"
+    assert before["stragglerwatch_work_steps"].samples[0].value == 0
+    t = 1000.0
+    steps = [step_record(0, i, t + i)._replace(work=w, work_unit=u) for i, (w, u) in enumerate(
+        [(512.0, "tokens"), (488.0, "tokens"), (float("nan"), ""), (3.0, "samples")])]  # fmt: skip
+    steps += [step_record(0, 9, t + 9)]  # an old-style record: not measured
+    steps += [step_record(0, 10 + i, t + 10 + i)._replace(work=1.0, work_unit=f"u{i}") for i in range(MAX_UNITS)]
+    metrics.observe(steps)
+    f = families()
+    work = {s.labels["unit"]: s.value for s in f["stragglerwatch_work"].samples}
+    assert work == {"tokens": 1000.0, "samples": 3.0, "u0": 1.0, "u1": 1.0}, "at most MAX_UNITS units"
+    (w,) = f["stragglerwatch_work"].samples[:1]
+    assert w.name == "stragglerwatch_work_total" and w.labels["run"] == "w" and w.labels["rank"] == "0"
+    (ws,) = f["stragglerwatch_work_steps"].samples
+    assert ws.name == "stragglerwatch_work_steps_total" and ws.value == 5
+    assert f["stragglerwatch_steps"].samples[0].value == len(steps)
+
+
 @needs_prometheus
 @pytest.mark.distributed
 def test_real_prometheus_scrapes_a_straggler_job(live_prometheus) -> None:

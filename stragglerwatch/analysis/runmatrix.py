@@ -31,7 +31,7 @@ from stragglerwatch.record.schema import GAP_COLUMNS, PHASE_COLUMNS, schema_comp
 from stragglerwatch.record.steplog import read_log
 
 ID_COLUMNS = ["rank", "step", "restart", "attach"]
-FLOAT64_COLUMNS = ("busy_s", "step_s", "comm_wait_s", "start_time")
+FLOAT64_COLUMNS = ("busy_s", "step_s", "comm_wait_s", "start_time", "work", "work_elements")
 VALUE_COLUMNS = (*FLOAT64_COLUMNS, *PHASE_COLUMNS, *GAP_COLUMNS)
 _KEY = 65536  # attempt key = restart * _KEY + attach
 

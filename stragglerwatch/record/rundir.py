@@ -3,8 +3,10 @@ readers and atomic writers of the JSON files.
 
 Files of a run dir:
 - ``run.json``: written once by rank 0 (run id, world size, versions, config);
-- ``rank-NNNNN.json``: per rank (host, local rank, pid, device, timing clock, role, and
-  ``busy_unavailable``: why this rank's busy time cannot be trusted, when it cannot);
+- ``rank-NNNNN.json``: per rank (host, local rank, pid, device, timing clock, role,
+  ``busy_unavailable``: why this rank's busy time cannot be trusted, when it cannot, and ``loader``:
+  the first DataLoader the loop wrapped, its ``num_workers``, ``pin_memory``, ``persistent_workers``
+  and ``prefetch_factor``);
 - ``rank-NNNNN.arrows`` / ``.parquet``: the step log (``steplog.py``);
 - ``events-NNNNN.jsonl``: stalls, diagnoses, recoveries, shutdowns (``events.py``);
 - ``context-NNNNN.arrows`` / ``.parquet``: the rank's host and GPU context, sampled about once a

@@ -12,7 +12,12 @@ column an older minor version lacks is derived from what it has
 (:func:`upgrade`). 1.1 added ``collective_wait_s``, ``eval_s`` and ``comm_wait_s``:
 before it, the gradient all-reduce was the only communication subtracted. 1.2 added
 ``restart`` and ``attach``: a record is identified by (rank, restart, attach, step). 1.3 added the
-``gap_*_s`` columns: the time no probe timed, by where in the step it lies (older logs read NaN).
+``gap_*_s`` columns: the time no probe timed, by where in the step it lies (older logs read NaN). 1.4
+added ``work`` and ``work_unit``: the work the rank did in the step (elements or tokens of its training
+micro-batches, or what the loop noted), which tells load imbalance from a straggler, and
+``work_elements``: the elements of those micro-batches' input shapes, padding included, which the
+compute follows under dynamic padding (never replaced by what the loop noted); older logs read NaN,
+"" and NaN.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import pyarrow as pa
 
 from stragglerwatch.record import arrowcols
 
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 SCHEMA_MAJOR = SCHEMA_VERSION.split(".")[0]
 META_KEY = b"stragglerwatch.schema_version"
 
@@ -82,6 +87,9 @@ class StepRecord(NamedTuple):
     gap_forward_backward_s: float = 0.0  # untimed time between a forward's end and the backward
     gap_backward_optimizer_s: float = 0.0  # untimed time between the backward and the optimizer
     gap_after_optimizer_s: float = 0.0  # untimed time after an optimizer step
+    work: float = float("nan")  # units of work in the step, summed over its training micro-batches; NaN: not measured
+    work_unit: str = ""  # "elements", "tokens" or the unit the loop noted; "" when not measured
+    work_elements: float = float("nan")  # elements of the training micro-batches' input shapes; NaN: not measured
 
 
 STEP_SCHEMA = pa.schema(
@@ -101,6 +109,9 @@ STEP_SCHEMA = pa.schema(
         pa.field("restart", pa.int32()),
         pa.field("attach", pa.int32()),
         *(pa.field(c, pa.float64()) for c in GAP_COLUMNS),
+        pa.field("work", pa.float64()),
+        pa.field("work_unit", pa.string()),
+        pa.field("work_elements", pa.float64()),
     ],
     metadata={META_KEY: SCHEMA_VERSION.encode()},
 )
@@ -141,7 +152,8 @@ def _compatible(schema: pa.Schema) -> str | None:
 
 #: Columns added after 1.0, and how a file without them is read: before 1.1 only the
 #: gradient all-reduce was subtracted, and evaluation was not told apart; before 1.2 a
-#: run had one attempt; before 1.3 where the untimed time lay was not recorded (NaN: unknown).
+#: run had one attempt; before 1.3 where the untimed time lay was not recorded (NaN: unknown); before
+#: 1.4 the work of a step was not measured.
 _DERIVED = {
     "collective_wait_s": lambda t: pa.array(np.zeros(t.num_rows)),
     "eval_s": lambda t: pa.array(np.zeros(t.num_rows)),
@@ -149,6 +161,9 @@ _DERIVED = {
     "restart": lambda t: pa.array(np.zeros(t.num_rows, dtype=np.int32)),
     "attach": lambda t: pa.array(np.zeros(t.num_rows, dtype=np.int32)),
     **{c: (lambda t: pa.array(np.full(t.num_rows, np.nan))) for c in GAP_COLUMNS},
+    "work": lambda t: pa.array(np.full(t.num_rows, np.nan)),
+    "work_unit": lambda t: pa.repeat(pa.scalar("", pa.string()), t.num_rows),
+    "work_elements": lambda t: pa.array(np.full(t.num_rows, np.nan)),
 }
 
 

@@ -1,6 +1,6 @@
 """The step log read back: :func:`load_run` (a run dir into one frame), the readers underneath it
-(``run_files``, ``read_log``, ``conform``, ``world_size``), and the compaction of a stream into
-Parquet (``compact_stream``).
+(``run_files``, ``read_log``, ``conform``, ``world_size``), the unit of a run's ``work`` column
+(``work_unit``), and the compaction of a stream into Parquet (``compact_stream``).
 
 A rank's log is ``rank-NNNNN.arrows`` (an Arrow IPC stream, one record batch a flush, while the rank
 runs; written by ``stragglerwatch.runtime.writer``) and ``rank-NNNNN.parquet`` once compacted (written
@@ -277,3 +277,47 @@ def load_run(
     order = [c for c in ("restart", "attach", "step", "rank") if c in frame.columns]
     frame = frame.sort_values(order, kind="stable").reset_index(drop=True)
     return frame[[c for c in RUN_COLUMNS if c in frame.columns]]
+
+
+def _units(f: Path) -> pa.Array | None:
+    """The ``work_unit`` column of one step log, read alone (a stream's batches are not validated:
+    a damaged one ends the read); None when it has none."""
+    try:
+        if f.suffix == ".parquet":
+            schema = pq.read_schema(f)
+            if schema_compatible(schema) or "work_unit" not in schema.names:
+                return None
+            return pq.read_table(f, columns=["work_unit"])["work_unit"].combine_chunks()
+        chunks = []
+        with pa.memory_map(str(f), "r") as src:
+            reader = pa.ipc.open_stream(src)
+            if schema_compatible(reader.schema) or "work_unit" not in reader.schema.names:
+                return None
+            try:
+                chunks += [batch.column("work_unit") for batch in reader]
+            except (pa.ArrowException, OSError, EOFError, ValueError):
+                pass  # cut short by a crash: what came before counts
+        return pa.concat_arrays(chunks) if chunks else None
+    except FileNotFoundError:  # compacted to Parquet while we listed the dir
+        twin = f.with_suffix(".parquet")
+        return _units(twin) if f.suffix == ".arrows" and twin.exists() else None
+    except (pa.ArrowException, OSError, EOFError, ValueError):
+        return None
+
+
+def work_unit(run_dir: str | os.PathLike[str]) -> str | None:
+    """The unit of the run's ``work`` column: the most common non-empty ``work_unit`` of its step
+    logs (only that column is read), None when no step's work was measured (or no log is readable)."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        return None
+    counts: dict[str, int] = {}
+    for f in log_files(path):
+        units = _units(f)
+        if units is None:
+            continue
+        for row in pc.value_counts(units).to_pylist():
+            unit = row["values"]
+            if unit:
+                counts[unit] = counts.get(unit, 0) + row["counts"]
+    return max(counts, key=lambda u: (counts[u], u)) if counts else None

@@ -91,9 +91,9 @@ class Config:
 
     prometheus_mode: str | None = None
     """Which series the exporter serves (``$STRAGGLERWATCH_PROMETHEUS_MODE``): ``"full"`` (the default:
-    histograms of step, busy and phase times, every context gauge; 237 series a CPU rank, 258 a GPU
+    histograms of step, busy and phase times, every context gauge; 239 series a CPU rank, 260 a GPU
     rank, plus 3 to 7 of the code sampler) or ``"lean"`` (the same names as summaries without
-    buckets, only the context the dashboards show; 39 a CPU rank, 48 to 55 a GPU rank, plus the
+    buckets, only the context the dashboards show; 41 a CPU rank, 50 to 57 a GPU rank, plus the
     code sampler's), for jobs of a thousand ranks and more. The shipped
     rules and dashboards work with both."""
 

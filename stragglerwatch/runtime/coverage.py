@@ -5,6 +5,8 @@ message once, the reason in the run metadata (``busy_unavailable`` in ``rank-NNN
 and "busy time unavailable: <reason>" in every report — never a silent "no straggler".
 Reasons known at attach time come from :func:`unseen_communication`; those found while
 training come from the probe and are written by :class:`UnavailableNotes` on the log thread.
+It also writes the settings of the first DataLoader the loop wraps (``loader``: ``num_workers``,
+``pin_memory``, ``persistent_workers``, ``prefetch_factor``), which the report's advice reads.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from stragglerwatch.record.rundir import RunInfo, write_rank_meta
 from stragglerwatch.runtime.probes import StepProbe
@@ -51,7 +54,37 @@ class UnavailableNotes:
         known += [r for r in reasons if r not in known]
         write_rank_meta(self.info, self.rank_meta)
 
+    def note_loader(self, iterable: Any) -> None:
+        """Record the settings of the first wrapped DataLoader (``iterable`` or one it holds) in the
+        rank's metadata; never raises (a metadata file that cannot be written loses only this)."""
+        if "loader" in self.rank_meta:
+            return
+        settings = loader_settings(iterable)
+        if settings is None:
+            return
+        self.rank_meta["loader"] = settings
+        try:
+            write_rank_meta(self.info, self.rank_meta)
+        except OSError:
+            pass
+
     def reasons(self) -> list[str]:
         """Every reason known now (attach time and training), for the exporter and ``stats()``."""
         known = list(self.rank_meta.get("busy_unavailable", []))
         return known + [r for r in self.probe.unavailable.values() if r not in known]
+
+
+def loader_settings(obj: Any) -> dict[str, Any] | None:
+    """``num_workers``, ``pin_memory``, ``persistent_workers`` and ``prefetch_factor`` of the
+    ``torch.utils.data.DataLoader`` that ``obj`` is or holds as an attribute (a wrapper's
+    ``self.loader``); None when there is none."""
+    found = obj if isinstance(obj, DataLoader) else None
+    for value in () if found is not None else getattr(obj, "__dict__", {}).values():
+        if isinstance(value, DataLoader):
+            found = value
+            break
+    if found is None:
+        return None
+    return {"num_workers": int(found.num_workers), "pin_memory": bool(found.pin_memory),
+            "persistent_workers": bool(getattr(found, "persistent_workers", False)),
+            "prefetch_factor": getattr(found, "prefetch_factor", None)}  # fmt: skip

@@ -14,16 +14,23 @@ Series (labels ``run`` and ``rank`` on all of them):
 ``stragglerwatch_phase_seconds{phase}`` (histograms), ``stragglerwatch_steps_total``,
 ``stragglerwatch_last_step_timestamp_seconds``, ``stragglerwatch_watchdog_timeouts_total{phase}``,
 ``stragglerwatch_stalled``, ``stragglerwatch_exporter_errors_total``, the info metric
-``stragglerwatch_rank_info{local_rank, host, pid}``, and ``stragglerwatch_busy_unavailable{reason}``
-(1 for each reason the rank's busy time cannot be measured; absent when it can).
+``stragglerwatch_rank_info{local_rank, host, pid}``, ``stragglerwatch_busy_unavailable{reason}``
+(1 for each reason the rank's busy time cannot be measured; absent when it can), and the work of the
+steps: ``stragglerwatch_work_total{unit}`` (the sum of ``work`` over the recorded steps whose work
+was measured; one series per unit seen, at most ``MAX_UNITS``; none before such a step) and
+``stragglerwatch_work_steps_total`` (those steps). ``rate(work_total) / rate(work_steps_total)`` is
+the work per step; ``rate(busy_seconds_sum) / rate(work_total)`` the busy seconds per unit of work,
+which tells a straggler (slow for the same work) from load imbalance (given more work), exact
+only while every step's work is measured: ``busy_seconds`` counts all steps (compare
+``work_steps_total`` with ``steps_total``).
 
 Modes (``attach(..., prometheus_mode=...)``, ``$STRAGGLERWATCH_PROMETHEUS_MODE``): ``full`` (the
 default) exports the three timings as histograms (18 buckets, +Inf, sum, count: 21 series each,
 168 for the phases); ``lean`` exports them as summaries without quantiles (``_sum`` and ``_count``
 only, under the same names and labels) and the context collector keeps only the gauges the
 dashboards read. Every shipped rule, panel and ``promsource`` query reads ``_sum``/``_count``,
-never ``_bucket``, so they answer the same in both modes; a lean GPU rank exports 48 to 55 series
-instead of 258, which is what a per-tenant series limit counts at 1,000 ranks.
+never ``_bucket``, so they answer the same in both modes; a lean GPU rank whose work is measured
+exports 50 to 57 series instead of 260, which is what a per-tenant series limit counts at 1,000 ranks.
 """
 
 from __future__ import annotations
@@ -53,6 +60,9 @@ from stragglerwatch.runtime.log import Problems
 
 #: Upper bounds (seconds) for step and phase times: 1 ms to 10 minutes.
 BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+#: Units of work exported per rank (``note_work`` takes any): the work of steps in further units is
+#: not exported, so that a loop noting ever new units cannot grow the series without end.
+MAX_UNITS = 4
 
 
 class _Hist:
@@ -86,6 +96,8 @@ class RankMetrics:
         self.busy = _Hist()
         self.phases = {p: _Hist() for p in PHASES}
         self.steps_total = 0
+        self.work_total: dict[str, float] = {}  # unit -> work of the steps measured in it
+        self.work_steps = 0  # steps whose work was measured (and exported)
         self.last_step_end: float | None = None
 
     def observe(self, records: list[StepRecord]) -> None:
@@ -97,6 +109,13 @@ class RankMetrics:
                     self.phases[p].observe(getattr(r, f"{p}_s"))
                 self.steps_total += 1
                 self.last_step_end = r.start_time + r.step_s
+                self._work(r.work, r.work_unit)
+
+    def _work(self, work: float, unit: str) -> None:
+        if not unit or work != work or (unit not in self.work_total and len(self.work_total) >= MAX_UNITS):
+            return
+        self.work_total[unit] = self.work_total.get(unit, 0.0) + work
+        self.work_steps += 1
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -105,6 +124,8 @@ class RankMetrics:
                 "busy": (self.busy.cumulative(), self.busy.sum),
                 "phases": {p: (h.cumulative(), h.sum) for p, h in self.phases.items()},
                 "steps_total": self.steps_total,
+                "work_total": dict(self.work_total),
+                "work_steps": self.work_steps,
                 "last_step_end": self.last_step_end,
             }
 
@@ -154,6 +175,14 @@ class RankCollector(Collector):
         c = CounterMetricFamily("stragglerwatch_steps", "Optimizer steps recorded", labels=names)
         c.add_metric(values, snap["steps_total"])
         yield c
+        w = CounterMetricFamily("stragglerwatch_work", "Work of the recorded steps whose work was measured "
+                                "(elements, tokens or the unit the loop noted)", labels=[*names, "unit"])  # fmt: skip
+        for unit, total in sorted(snap["work_total"].items()):
+            w.add_metric([*values, unit], total)
+        yield w
+        ws = CounterMetricFamily("stragglerwatch_work_steps", "Recorded steps whose work was measured", labels=names)
+        ws.add_metric(values, snap["work_steps"])
+        yield ws
         g = GaugeMetricFamily("stragglerwatch_last_step_timestamp_seconds", "When the last step ended", labels=names)
         if snap["last_step_end"] is not None:
             g.add_metric(values, snap["last_step_end"])

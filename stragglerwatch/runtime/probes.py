@@ -3,15 +3,17 @@
 Design: every hook does O(1) work — read a clock (or record a CUDA event) and
 append to a list of the current :class:`~stragglerwatch.runtime.timing.StepMarks`.
 There is no synchronisation, no ``.item()``, no collective, no I/O and no
-allocation beyond the mark itself. A finished step's marks are handed to a
-``sink`` (the event log's queue) when the step ends.
+allocation beyond the mark itself (and a training forward's work count). A finished
+step's marks are handed to a ``sink`` (the event log's queue) when the step ends.
 
 Boundaries:
 - forward: the (DDP) module's ``forward`` is shadowed by a timing wrapper
   (an instance attribute, removed on close; ``shadows.py``). Module forward hooks would do the
   same but push every call onto ``nn.Module``'s slow path. A forward without
   grad, or of a module in eval mode, belongs to an evaluation pass: consecutive
-  ones form one ``eval`` interval, which is not training work;
+  ones form one ``eval`` interval, which is not training work. A training forward's
+  work (its main input's elements or tokens, and the elements of its shape: ``work.py``, never a
+  GPU sync) is kept with it; what the loop notes (``note_work``) replaces the first for the step;
 - backward start: a hook on the gradient of every tensor of the output that
   needs one (found through nested containers and dataclasses), which also
   queues an autograd-engine callback that fires when the backward graph is done;
@@ -70,6 +72,7 @@ from torch.utils import _pytree
 
 from stragglerwatch.runtime.log import Problems
 from stragglerwatch.runtime.timing import StepMarks
+from stragglerwatch.runtime.work import DeviceCounts, Work, forward_work
 
 try:
     from torch.compiler import is_compiling  # torch >= 2.3
@@ -105,6 +108,7 @@ _NESTED = object()  # token of a collective inside another timed one (counted on
 MAX_MICRO_BATCHES = 1000
 #: Marks of one kind in one step (collectives, loader waits, optimizer calls) kept; more are counted.
 MAX_MARKS = 10_000
+_UNCOUNTED: Work = (float("nan"), "", float("nan"))  # a training forward whose input could not be counted
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _SCALARS = (str, bytes, int, float, bool, type(None))
 
@@ -162,6 +166,7 @@ class StepProbe:
         expect_comm: bool = False,
         on_unavailable: Callable[[str], None] | None = None,
         problems: Problems | None = None,
+        device_counts: DeviceCounts | None = None,
     ):
         self._sink = sink
         self._syncing = syncing  # DDP: does this backward all-reduce (not under no_sync())?
@@ -195,6 +200,9 @@ class StepProbe:
         self.problems = problems or Problems()
         self.faults = 0  # failures of our own hooks, never raised into the loop
         self.unavailable: dict[str, str] = {}  # what of the signal cannot be seen, and why
+        self.work_notes: dict[str, str] = {}  # how the work count falls short, and why (said once each)
+        self._counts = device_counts  # CUDA: counts of device masks, copied without a sync
+        self._noted: list[tuple[float, str]] = []  # noted before the first step began
         self.enabled = True
         self.recording = True  # wanted (runtime control); applied by the training thread at a step end
         self._paused = False  # recording is off: hooks idle, step ends only counted
@@ -245,6 +253,8 @@ class StepProbe:
     def _begin(self, host: float | None = None) -> StepMarks:
         host = self._now() if host is None else host
         self._cur = StepMarks(self._next_step, self._at(host, self._gap_phase()), host, self._data_from_gap)
+        if self._noted:
+            self._cur.noted, self._noted = self._noted, []
         return self._cur
 
     def _gap_phase(self) -> str:
@@ -257,6 +267,31 @@ class StepProbe:
         self.unavailable[key] = reason
         if self._on_unavailable is not None:
             self._on_unavailable(reason)
+
+    def note_work_shortfall(self, key: str, reason: str) -> None:
+        """Say once that the work count is not what it should be (not busy time: ``unavailable``)."""
+        if key not in self.work_notes:
+            self.work_notes[key] = reason
+            self.problems.report(f"work-{key}", f"work per step: {reason}")
+
+    @_guarded
+    def note_work(self, n: float, unit: str) -> None:
+        """The loop's own count of the current step's work (``Watch.note_work``, validated there)."""
+        if not self.enabled:
+            return
+        noted = self._cur.noted if self._cur is not None else self._noted
+        if len(noted) < MAX_MARKS:
+            noted.append((n, unit))
+        else:
+            self.dropped_marks += 1
+
+    def _forward_work(self, args: Any, kwargs: Any) -> Work:
+        try:
+            found = forward_work(args, kwargs, self._counts, self.note_work_shortfall)
+        except Exception as exc:
+            self.note_work_shortfall("input", f"a forward's input could not be counted ({type(exc).__name__}: {exc})")
+            found = None
+        return found if found is not None else _UNCOUNTED
 
     # -- data -------------------------------------------------------------
     def wrap(self, iterable: Iterable[Any]) -> TimedIterable:
@@ -316,7 +351,7 @@ class StepProbe:
 
     # -- forward ----------------------------------------------------------
     @_guarded
-    def on_forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+    def on_forward_pre(self, module: torch.nn.Module, args: Any, kwargs: Any = None) -> None:
         if not self.enabled:
             return
         now = self._now()
@@ -340,8 +375,11 @@ class StepProbe:
         self._eval_open = self._eval_fwd = False
         if self._fwd_open:  # the previous forward raised: drop its dangling start
             m.fwd_start.pop()
+            if len(m.work) > len(m.fwd_start):
+                m.work.pop()
         self._fwd_open = True
         m.fwd_start.append(self._at(now, "forward"))
+        m.work.append(self._forward_work(args, kwargs))
 
     @_guarded
     def on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:

@@ -65,7 +65,7 @@ def time_as_forward(obj: Any, name: str, module: torch.nn.Module, probe: StepPro
                 return inner(*args, **kwargs)
             probe.forward_nesting += 1
             try:
-                pre(module, args)
+                pre(module, args, kwargs)
                 output = inner(*args, **kwargs)
                 post(module, args, output)
                 return output

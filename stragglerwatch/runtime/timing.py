@@ -25,6 +25,13 @@ optimizer, after the optimizer), so that a report can say where an ``other`` exc
 Data waits the loop marks (``Watch.data``, a wrapped loader) rank just below communication and
 evaluation: a fetch between forward and backward is data wait, not other. Per-bucket ready/all-reduce marks are optional
 (``bucket_timings``).
+
+The work of the step rides along: one ``(count, unit, elements)`` per training forward (``work``; the
+count of a CUDA mask is a :class:`~stragglerwatch.runtime.work.PendingCount` until :func:`resolve_cuda`
+reads it: its copy was queued before the forward's end mark, so it has landed once the step's events
+completed) and what the loop noted (``noted``, ``Watch.note_work``), which replaces the forwards'
+count (:func:`step_work`) but not their elements, always those of the inputs' shapes
+(:func:`step_elements`).
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ from stragglerwatch.record.schema import GAPS, StepRecord
 from stragglerwatch.runtime.intervals import carve_and_untimed
 
 #: The list-valued marks of a step, in the order :meth:`StepMarks.lengths` reports them.
-_LISTS = ("fwd_start", "fwd_end", "bwd_start", "bwd_end", "ready", "done", "sync", "comm", "evals", "opt", "data")
+_LISTS = ("fwd_start", "fwd_end", "bwd_start", "bwd_end", "ready", "done", "sync", "comm", "evals", "opt", "data",
+          "work", "noted")  # fmt: skip
 
 
 class StepMarks:
@@ -63,6 +71,8 @@ class StepMarks:
         self.evals: list[list[Any]] = []  # [start, end] of each evaluation pass (end None while open)
         self.opt: list[list[Any]] = []  # [start, end] of each optimizer.step() (end None while open)
         self.data: list[tuple[Any, Any]] = []  # blocked fetching: a wrapped loader, a marked fetch
+        self.work: list[tuple[Any, str, float]] = []  # (count, unit, shape's elements) of each training forward
+        self.noted: list[tuple[float, str]] = []  # (count, unit) the loop noted (Watch.note_work)
 
     def lengths(self) -> tuple[int, ...]:
         """How many marks each list holds now (a cut point for :meth:`split`)."""
@@ -155,6 +165,29 @@ def _data_gaps(m: StepMarks) -> list[tuple[float, float]]:
     return gaps
 
 
+def _count(value: Any) -> float:
+    """A count: a number, or what a pending device count reads (NaN when it was lost)."""
+    read = getattr(value, "read", None)
+    return float(read() if read is not None else value)
+
+
+def step_work(m: StepMarks) -> tuple[float, str]:
+    """The step's work and its unit: the sum of what the loop noted, else of its training forwards'
+    counts; (NaN, "") when none was measured, a count was lost, or the units differ. Pure."""
+    entries = m.noted or m.work
+    units = {e[1] for e in entries}
+    if len(units) != 1:
+        return float("nan"), ""
+    return sum(_count(e[0]) for e in entries), units.pop()
+
+
+def step_elements(m: StepMarks) -> float:
+    """The elements of the step's training forwards' input shapes, summed over those counted (what
+    the loop noted does not replace them); NaN when none was. Pure."""
+    counted = [e for _, _, e in m.work if e == e]
+    return float(sum(counted)) if counted else float("nan")
+
+
 def anatomy(
     m: StepMarks, rank: int, wall_anchor: float, timing: str = "host", restart: int = 0, attach: int = 0
 ) -> StepRecord:
@@ -184,6 +217,7 @@ def anatomy(
     accounted = sum(sec.values())
     indices, ready_s, allreduce_s = _pair_buckets(m.ready, m.done, start)
     comm_wait_s = allreduce_wait_s + collective_wait_s
+    work, work_unit = step_work(m)
     return StepRecord(
         rank=rank,
         step=m.step,
@@ -207,6 +241,9 @@ def anatomy(
         restart=restart,
         attach=attach,
         **{f"gap_{g}_s": v for g, v in untimed.items()},
+        work=work,
+        work_unit=work_unit if work == work else "",
+        work_elements=step_elements(m),
     )
 
 
@@ -265,4 +302,6 @@ def resolve_cuda(m: StepMarks, deadline: float | None = None) -> Any:
     r.sync, r.comm, r.evals, r.opt = pairs(m.sync), pairs(m.comm), pairs(m.evals), pairs(m.opt)
     r.end = sec(m.end)
     r.data = pairs(m.data)
+    r.work = [(_count(n), unit, e) for n, unit, e in m.work]  # the copies ran before the step's events completed
+    r.noted = list(m.noted)
     return r

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import atexit
 import functools
+import math
+import numbers
 import os
 import time
 import weakref
@@ -63,6 +65,7 @@ from stragglerwatch.runtime.shutdown import ShutdownHooks
 from stragglerwatch.runtime.taps import tap_collectives, tap_scaler
 from stragglerwatch.runtime.timing import resolve_cuda
 from stragglerwatch.runtime.watchdog import Watchdog
+from stragglerwatch.runtime.work import DeviceCounts
 from stragglerwatch.runtime.writer import EventLogWriter
 
 CommHook = tuple[Any, Callable[[Any, Any], torch.futures.Future]]
@@ -149,6 +152,7 @@ class Watch:
             "stalled": bool(wd and wd.stalled),
             "last_step_timestamp": None if last is None else self._wall_anchor + last,
             "busy_unavailable": self._notes.reasons() if self._notes else [],
+            "work_notes": list(p.work_notes.values()) if p is not None else [],
             "context_samples": self._context.samples if self._context else 0,
             "code_samples": self._code.samples if self._code else 0,
             "problems": dict(self.problems.counts),
@@ -159,6 +163,8 @@ class Watch:
         gap before the first forward). Returns a re-iterable wrapper."""
         if self._probe is None or self._closed:
             return iterable
+        if self._notes is not None:  # its settings, for the report's advice
+            self._notes.note_loader(iterable)
         return self._probe.wrap(iterable)
 
     def data(self, fetch: Any = None) -> Any:
@@ -178,6 +184,24 @@ class Watch:
         if hasattr(fetch, "__iter__"):
             return self.wrap(fetch)
         raise TypeError(f"watch.data() marks a fetch function, a loader or a with-block, not {type(fetch).__name__}")
+
+    def note_work(self, n: float, unit: str = "tokens") -> None:
+        """Add ``n`` units of work (tokens, samples, ...: a Python number) to the current step. In a
+        step where the loop calls it, the noted total replaces the work counted from what the
+        training forwards receive (the elements of their main input, or the ones of its
+        ``attention_mask``), with ``unit`` as the step's ``work_unit`` (``work_elements``, the
+        elements of their inputs' shapes, stays as counted). Work per step tells load
+        imbalance (ranks given different work) from a straggler (slow for the same work). Called
+        before the first step, it counts toward the first. Never raises: a bad ``n`` or ``unit`` (a
+        tensor, negative, NaN) is one line in the ``stragglerwatch`` logger and is ignored."""
+        probe = self._probe if not self._closed else None
+        if probe is None:
+            return
+        try:
+            probe.note_work(_work_count(n), _work_unit(unit))
+        except Exception as exc:
+            self.problems.report("note-work", f"watch.note_work({type(n).__name__}, {type(unit).__name__}) ignored: "
+                                 f"{exc}")  # fmt: skip
 
     def latest(self) -> dict[str, float] | None:
         """This rank's latest step written to the log (seconds per phase, ``busy_ratio``: busy
@@ -312,6 +336,24 @@ class Watch:
             return "Watch(disabled)"
         state = "closed" if self._closed else "open"
         return f"Watch(run={self.info.run_id!r}, rank={self.info.rank}, steps={self.steps}, {state})"
+
+
+def _work_count(n: Any) -> float:
+    """``n`` as a count of work, or ValueError (a tensor is refused: reading one may wait for the GPU)."""
+    if isinstance(n, torch.Tensor):
+        raise ValueError("a tensor: pass a Python number (reading a CUDA tensor would wait for the GPU)")
+    if isinstance(n, bool) or not isinstance(n, numbers.Real):
+        raise ValueError(f"not a number ({type(n).__name__})")
+    value = float(n)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"not a finite count >= 0 ({value})")
+    return value
+
+
+def _work_unit(unit: Any) -> str:
+    if not isinstance(unit, str) or not unit.strip() or len(unit) > 64:
+        raise ValueError("the unit must be a non-empty string of at most 64 characters")
+    return unit.strip()
 
 
 def _point_at_devnull(files: list[Any]) -> None:
@@ -457,6 +499,7 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
         expect_comm=info.world_size > 1 and not is_ddp and unseen is None,
         on_unavailable=lambda reason: problems.report("unavailable", f"busy time unavailable: {reason}"),
         problems=problems,
+        device_counts=DeviceCounts(gate) if gate is not None else None,
     )
     notes = watch._notes = UnavailableNotes(info, rank_meta, probe)
     writer.observers += [notes, watch._observe]
