@@ -5,7 +5,8 @@ of a session for scheduling (autogroup) a CPU is shared equally between sessions
 tasks' priorities; so rank 1 gets a fifth of its core, while other load on this machine, which the
 scheduler then moves to rank 0's core, takes at most about half of that one. Rank 1 must be flagged (cause compute),
 and its context must say why: its CPU was contended (its training thread waited for the CPU,
-was switched out involuntarily), where rank 0's was not."""
+was switched out involuntarily), where rank 0's was not; and what to try: the other processes on
+its CPU. (Extra work with no contention, where nothing may be named: ``test_context_extra_work.py``.)"""
 
 from __future__ import annotations
 
@@ -89,3 +90,5 @@ def test_cpu_contention_is_named_for_the_contended_rank(tmp_path: Path) -> None:
     named = {f["signal"] for f in straggler["context"]}
     assert named & {"run_delay", "invol_switches"}, straggler["context"]
     assert named <= CPU_SIGNALS, "only what differs: nothing of GPUs, memory or swap"
+    # what to try follows from who took its CPU: the busy processes on its core, not its own threads
+    assert any(h.startswith("other processes used ") for h in straggler["hints"]), straggler["hints"]

@@ -52,13 +52,47 @@ def test_cpu_contention_is_named_only_on_the_contended_rank() -> None:
     ctx = frame(where=contended)
     one, three = explain(ctx, [flagged(1), flagged(3)], STEPS)
     assert signals(one) == ["run_delay", "invol_switches", "others_cpu"]
-    assert one[0]["text"] == "its training thread waited for a CPU 45% of the time (peers 1%)"
-    assert one[1]["text"].startswith("3,100 involuntary context switches/s (peers ")
+    assert one[0]["text"] == ("its training thread waited for a CPU 45% of the time (peers 1%), 0.90 s per "
+                              "CPU-second its process ran (peers 0.01 s)")  # fmt: skip
+    assert one[1]["text"].startswith("3,100 involuntary context switches/s (peers 4/s), 6,200 per CPU-second its ")
     assert one[1]["value"] == 3100.0 and one[1]["peers"] < 6
     assert three == [], "a straggler whose context is like its peers' gets nothing"
     assert "cpu_pressure" not in signals(one), "the host's pressure is the same for all its ranks"
     assert explain(ctx, [flagged(1, 0, 15)], STEPS) == [[]], "before the contention: nothing"
     assert explain(ctx, [flagged(1, 25, None)], STEPS)[0], "still slow at the end: up to the last step"
+
+
+def test_extra_work_is_no_cause() -> None:
+    """Rank 1 runs 3.3x the CPU time of its peers (more work, the same sharing): per second it is
+    switched out and waits for its CPU 3.3x as often, its vCPUs have more time stolen, its host's load
+    and pressure carry its own threads, its GPU runs hotter at the same clock. None of it is a cause."""
+
+    def busier(r: int, t: int) -> dict:
+        share = 1.0 if r == 1 and t >= 20 else 0.3  # CPU-seconds per second its process ran
+        return {"cpu_time": share, "run_delay": 0.2 * share, "invol_switches": 300.0 * share,
+                "cores_busy": share + 0.05, "steal": 0.06 * share, "cpus": 1, "load1": 1.0 + 1.2 * share,
+                "cpu_pressure": 0.1 + 0.2 * share, "temperature_c": 75.0 if r == 1 and t >= 20 else 62.0}  # fmt: skip
+
+    ctx = frame(where=busier)
+    assert explain(ctx, [flagged(1)], STEPS) == [[]]
+    raw = {"run_delay": "run_delay", "invol_switches": "invol_switches", "steal": "steal", "load1": "load_per_cpu"}
+    for column, name in raw.items():  # what the same run says when a signal's value is read per second instead
+        hog = frame(where=lambda r, t, c=column: {**busier(r, t), **({c: 5 * busier(r, t)[c]} if r == 1 else {})})
+        assert name in signals(explain(hog, [flagged(1)], STEPS)[0]), f"{column}: still named where it differs"
+
+
+def test_a_rank_that_runs_in_short_bursts_is_not_contended() -> None:
+    """A data straggler's training thread sleeps and wakes for each batch: it runs a tenth of its peers'
+    CPU time, and the small wait of each wake-up makes its waits and switches per CPU-second large,
+    while per second they are its peers'. That is no contention either."""
+    bursty = frame(where=lambda r, t: {"cpu_time": 0.09, "cores_busy": 0.15} if r == 2 else {})
+    assert explain(bursty, [flagged(2)], STEPS) == [[]]
+
+
+def test_a_rank_that_hardly_ran_has_no_per_cpu_second_rates() -> None:
+    waiting = frame(where=lambda r, t: {"cpu_time": 0.01, "cores_busy": 0.06, "invol_switches": 5.0,
+                                        "run_delay": 0.005} if r == 2 else {})  # fmt: skip
+    assert explain(waiting, [flagged(2)], STEPS) == [[]], "5 switches over 0.01 CPU-s is noise, not 500/CPU-s"
 
 
 def test_healthy_or_tiny_differences_name_nothing() -> None:
@@ -86,6 +120,9 @@ def test_gpu_thermal_slowdown_and_clock() -> None:
     assert found[0]["text"] == "GPU thermal slowdown (hardware) in 100% of samples (peers 0%)"
     assert found[1]["text"] == "SM clock 1.20 GHz vs peers' 1.98 GHz"
     idle = frame(where=lambda r, t: {"clock_reasons": 0x1} if r == 2 else {})  # idle is not a slowdown
+    assert explain(idle, [flagged(2)], STEPS) == [[]]
+    warm = frame(where=lambda r, t: {"temperature_c": 91.0} if r == 2 else {})  # hot, at full clock: not slower
+    assert explain(warm, [flagged(2)], STEPS) == [[]]
     assert explain(idle, [flagged(2)], STEPS) == [[]]
 
 
@@ -119,11 +156,11 @@ def sim_run_with_context(run: Path) -> pd.Series:
     starts = load_run(run, columns=["start_time"]).groupby("step")["start_time"].median()
     onset, t_first, t_last = float(starts.loc[150]), float(starts.iloc[0]), float(starts.iloc[-1])
     for r in range(4):
-        rows = [{**EMPTY, "rank": r, "time": t, "interval_s": 1.0, "run_delay": 0.02, "invol_switches": 4.0}
-                for t in np.arange(t_first + 1, t_last + 1)]  # fmt: skip
+        rows = [{**EMPTY, "rank": r, "time": t, "interval_s": 1.0, "run_delay": 0.02, "invol_switches": 4.0,
+                 "cpu_time": 0.5} for t in np.arange(t_first + 1, t_last + 1)]  # fmt: skip
         for row in rows:
             if r == 1 and row["time"] > onset:
-                row.update(run_delay=0.55, invol_switches=1800.0)
+                row.update(run_delay=0.55, invol_switches=1800.0, cpu_time=0.4)
         with pa.OSFile(str(run / f"context-{r:05d}.arrows"), "wb") as f, pa.ipc.new_stream(f, CONTEXT_SCHEMA) as w:
             w.write_batch(rows_to_batch(rows))
     return starts
@@ -141,10 +178,12 @@ def test_report_text_and_html_name_the_context(tmp_path: Path) -> None:
     assert s["rank"] == 1 and signals(s["context"]) == ["run_delay", "invol_switches"]
     assert s["time_span"][0] == pytest.approx(float(starts.loc[s["first_step"]]), abs=1e-3)
     text = render_text(analysis.report)
-    assert "\n    why: its training thread waited for a CPU 55% of the time (peers 2%); 1,800\n" in text
+    assert "\n    why: its training thread waited for a CPU 55% of the time (peers 2%), 1.38 s\n" in text
     assert (
-        "why: its training thread waited for a CPU 55% of the time (peers 2%); 1,800 involuntary context "
-        "switches/s (peers 4/s) job slowdown" in " ".join(text.split())
+        "why: its training thread waited for a CPU 55% of the time (peers 2%), 1.38 s per CPU-second its process "
+        "ran (peers 0.04 s); 1,800 involuntary context switches/s (peers 4/s), 4,500 per CPU-second its process ran "
+        "(peers 8) try: its training thread waits for its CPU: look for other processes on its CPUs"
+        in " ".join(text.split())
     )
     html = render_html(analysis)
     assert "host and GPU context" in html and "waited for a CPU 55% of the time" in html

@@ -18,6 +18,11 @@ Design (DESIGN.md, "Peers, consistency, cause, cost"):
    time removes ``busy_max - reference`` from every step: ``S = T_actual / T_ideal``.
 7. Communication-bound: even the rank that waits least (the bottleneck) spends
    most of its step in exposed communication. Group imbalance: a whole group's busy time above the others'.
+8. Load imbalance (``imbalance.py``): where the records carry the work of each step, steps 2-6 run on
+   work-adjusted times (what each rank would have taken for the step's median work), so a rank is
+   judged by its time per unit of work, never by the batches it drew; the imbalance's own cost is
+   the verdict's ``imbalance``. The slopes are fitted again without the flagged ranks, and the
+   flags found again, once a first pass has flagged any.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pandas as pd
 
+from stragglerwatch.analysis import imbalance as imb
 from stragglerwatch.analysis.consistency import flags as consistency_flags
 from stragglerwatch.analysis.stages import (
     CAUSES,
@@ -47,7 +53,7 @@ from stragglerwatch.analysis.thresholds import DetectConfig
 from stragglerwatch.record.schema import GAP_COLUMNS, PHASE_COLUMNS
 
 __all__ = ["CAUSES", "DetectConfig", "StepMatrix", "Verdict", "detect", "nanmedian"]
-MATRIX_COLUMNS = ("busy_s", "step_s", "comm_wait_s", *PHASE_COLUMNS, *GAP_COLUMNS)
+MATRIX_COLUMNS = ("busy_s", "step_s", "comm_wait_s", *PHASE_COLUMNS, *GAP_COLUMNS, "work", "work_elements")
 
 
 @dataclass
@@ -121,8 +127,9 @@ class Verdict:
     communication_bound: bool
     comm_fraction: float  # median over steps of the bottleneck rank's exposed wait / step
     thresholds: dict[str, float]
-    slowdown: np.ndarray  # steps x ranks: busy / reference (1.0 = like its peers)
+    slowdown: np.ndarray  # steps x ranks: busy / reference (1.0 = like its peers), for the same work
     flags: np.ndarray  # steps x ranks bool
+    imbalance: imb.Imbalance | None = None  # None: no work per step recorded
 
     @property
     def job_slowdown(self) -> float:
@@ -134,6 +141,7 @@ class StepMatrix:
     ranks: np.ndarray
     steps: np.ndarray
     values: dict[str, np.ndarray]  # column -> steps x ranks (NaN where a rank has no row)
+    work_unit: str = ""  # what ``values["work"]`` counts ("tokens", "elements", ...)
 
 
 def _column(frame: pd.DataFrame, col: str) -> np.ndarray:
@@ -141,16 +149,19 @@ def _column(frame: pd.DataFrame, col: str) -> np.ndarray:
         return frame[col].to_numpy(dtype=float)
     if col == "comm_wait_s":  # a frame without it: everything that is not busy was communication
         return (frame["step_s"] - frame["busy_s"]).to_numpy(dtype=float)
-    if col in GAP_COLUMNS:  # where the untimed time lay: unknown
+    if col in GAP_COLUMNS or col.startswith("work"):  # where the untimed time lay, the work done: unknown
         return np.full(len(frame), np.nan)
     return np.zeros(len(frame))  # a phase the frame's source does not measure
 
 
 def to_matrix(frame: pd.DataFrame) -> StepMatrix:
     """Pivot a ``load_run`` frame into steps x ranks arrays."""
-    return matrix_from_columns(
+    mat = matrix_from_columns(
         frame["rank"].to_numpy(), frame["step"].to_numpy(), {c: _column(frame, c) for c in MATRIX_COLUMNS}
     )
+    units = frame["work_unit"][frame["work_unit"] != ""] if "work_unit" in frame else ()
+    mat.work_unit = str(units.mode().iloc[0]) if len(units) else ""
+    return mat
 
 
 def matrix_from_columns(
@@ -173,15 +184,22 @@ def matrix_from_columns(
 def detect(
     data: pd.DataFrame | StepMatrix, config: DetectConfig | None = None, groups: dict[int, str] | None = None
 ) -> Verdict:
-    """Consistent stragglers, their cause and cost, and the job's slowdown. Pure."""
+    """Consistent stragglers, their cause and cost, the job's slowdown and its load imbalance. Pure."""
     cfg = config or DetectConfig()
     mat = data if isinstance(data, StepMatrix) else to_matrix(data)
-    busy = mat.values["busy_s"]
     g = Groups.of(mat.ranks, groups)
-    excess, costly, stats = step_stage(busy, mat.values["step_s"], mat.values["comm_wait_s"], g, cfg)
-    flags, thresholds = consistency_flags(excess, costly, cfg)
-    del costly
-    phases = cause_phases(mat.values)
+    chosen = imb.basis(mat.values, mat.work_unit)
+    raw, unit = chosen if chosen is not None else (mat.values, "")
+    model = imb.fit(raw, g) if chosen is not None else None
+    values = imb.adjust(raw, model, g) if model is not None else raw
+    flagged = _flag(values, g, cfg)
+    if model is not None and flagged[0].any():  # the healthy slopes again, from the ranks never flagged
+        model = imb.fit(raw, g, healthy=~flagged[0].any(axis=0))
+        values = imb.adjust(raw, model, g)
+        flagged = _flag(values, g, cfg)
+    flags, thresholds, excess, stats = flagged
+    busy = values["busy_s"]
+    phases = cause_phases(values)
     health = healthy_stage(busy, phases, flags, ~flags.any(axis=0), g)
     found = []
     for j in np.flatnonzero(flags.any(axis=0)):
@@ -190,7 +208,19 @@ def detect(
                             other_max(stats.top1, stats.top1_at, stats.top2, j), health.peer_phase)  # fmt: skip
         found += [straggler(int(mat.ranks[j]), mat.steps, series, a, b, cfg) for a, b in intervals(flags[:, j])]
     slowdown = busy / health.ref_h[:, g.index] if busy.size else np.zeros(busy.shape)
-    return verdict(mat.ranks, mat.steps, found, stats, health, g, cfg, thresholds, slowdown, flags)
+    result = verdict(mat.ranks, mat.steps, found, stats, health, g, cfg, thresholds, slowdown, flags)
+    if model is not None:
+        result.imbalance = imb.assess(raw, model, g, flags.any(axis=0), mat.ranks, result.job_seconds,
+                                      cfg.imbalance_min_slowdown, unit)  # fmt: skip
+    return result
+
+
+def _flag(values: dict[str, np.ndarray], g: Groups, cfg: DetectConfig
+          ) -> tuple[np.ndarray, dict[str, float], np.ndarray, StepStats]:  # fmt: skip
+    """The flags of every rank and step, the thresholds, the excess and the per-step figures."""
+    excess, costly, stats = step_stage(values["busy_s"], values["step_s"], values["comm_wait_s"], g, cfg)
+    flags, thresholds = consistency_flags(excess, costly, cfg)
+    return flags, thresholds, excess, stats
 
 
 def straggler(rank: int, steps: np.ndarray, series: RankSeries, start: int, end: int | None, cfg: DetectConfig

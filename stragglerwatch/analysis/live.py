@@ -32,6 +32,7 @@ import pyarrow as pa
 from stragglerwatch.analysis import consistency as cons
 from stragglerwatch.analysis.detect import StepMatrix, Verdict, detect, straggler, verdict
 from stragglerwatch.analysis.explain import StepTimes
+from stragglerwatch.analysis.imbalance import recorded
 from stragglerwatch.analysis.intermittent import intermittent_flags
 from stragglerwatch.analysis.report import (
     RANK_COLUMNS,
@@ -68,7 +69,7 @@ from stragglerwatch.analysis.thresholds import DetectConfig
 from stragglerwatch.record.context import load_context
 from stragglerwatch.record.rundir import read_rank_meta
 from stragglerwatch.record.schema import GAP_COLUMNS, schema_compatible
-from stragglerwatch.record.steplog import RunDirWarning, conform, read_log, run_files
+from stragglerwatch.record.steplog import RunDirWarning, conform, read_log, run_files, work_unit
 
 SCALAR_RANKS = 256  # ranks the followed run's scalars are estimated from
 RESERVE = 16384  # steps of room the arrays are made with
@@ -138,6 +139,7 @@ class LiveRun:
         self.sc_steps = 0
         self.checkpoints: dict[int, cons.Carry] = {}
         self.never: np.ndarray | None = None
+        self.unit = ""  # what the records' work counts, once known
         self.slow_at = 0.0
         self.figures: RankFigures | None = None
         self.turn = 0
@@ -330,7 +332,9 @@ class LiveRun:
         n = self.data.n
         values = {c: a[:n] for c, a in self.data.arrays.items()}
         start = values.pop("start_time")
-        return StepMatrix(self.ranks, self.steps, values), start
+        if not self.unit and recorded(values):
+            self.unit = work_unit(self.run_dir) or ""
+        return StepMatrix(self.ranks, self.steps, values, work_unit=self.unit), start
 
     def _exact(self) -> Analysis:
         mat, start = self._matrix()
@@ -352,6 +356,8 @@ class LiveRun:
         """The analysis after the rows from ``lo`` on changed (frozen scalars, resumed rule)."""
         cfg, n, r = self.cfg, self.data.n, len(self.ranks)
         mat, start = self._matrix()
+        if recorded(mat.values):  # work-adjusted times move with every new step: all again
+            return self._exact()
         g = Groups.of(self.ranks, self.roles)
         self.det.grow(n, {"e": ((r,), np.float64, np.nan), "costly": ((r,), bool, False),
                           "med": ((r,), np.float64, np.nan), "level": ((r,), np.float64, np.nan),

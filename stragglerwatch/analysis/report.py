@@ -24,10 +24,13 @@ import numpy as np
 import pandas as pd
 
 from stragglerwatch.analysis import runmatrix
+from stragglerwatch.analysis.advice import advise
 from stragglerwatch.analysis.codeprofile import locate, needed_ranks
 from stragglerwatch.analysis.detect import MATRIX_COLUMNS, StepMatrix, Verdict, detect, matrix_from_columns
-from stragglerwatch.analysis.explain import StepTimes, explain, span
+from stragglerwatch.analysis.explain import StepTimes, explain, prepare, span, span_values
 from stragglerwatch.analysis.hangs import hangs_from_events
+from stragglerwatch.analysis.imbalance import Imbalance
+from stragglerwatch.analysis.imbalance import advice as imbalance_advice
 from stragglerwatch.analysis.reportschema import (
     REPORT_SCHEMA,
     Attempt,
@@ -35,6 +38,7 @@ from stragglerwatch.analysis.reportschema import (
     ContextSignal,
     Events,
     GroupEntry,
+    ImbalanceEntry,
     RankRow,
     Report,
     StragglerEntry,
@@ -47,7 +51,7 @@ from stragglerwatch.record.context import load_context
 from stragglerwatch.record.events import read_events
 from stragglerwatch.record.rundir import read_rank_meta, read_run_meta
 from stragglerwatch.record.schema import PHASE_COLUMNS
-from stragglerwatch.record.steplog import run_files, world_size
+from stragglerwatch.record.steplog import run_files, work_unit, world_size
 
 #: The per-rank medians of the report's ``ranks`` rows.
 RANK_COLUMNS = ("step_s", "busy_s", "comm_wait_s", *PHASE_COLUMNS)
@@ -76,11 +80,23 @@ class RankFigures:
     medians: dict[str, np.ndarray]  # column -> median, ms
     slowdown: np.ndarray  # median busy time over its group's healthy reference
     steps: np.ndarray  # steps recorded
+    work: np.ndarray | None = None  # median work per step (None: not recorded)
+    busy_per_work: np.ndarray | None = None  # median busy seconds per unit of work
 
     @classmethod
     def of(cls, mat: StepMatrix, verdict: Verdict) -> RankFigures:
+        im = verdict.imbalance
+        work, per = work_medians(mat, im.column) if im is not None else (None, None)
         return cls(mat.ranks, rank_medians(mat.values, RANK_COLUMNS), nanmedian(verdict.slowdown, axis=0),
-                   np.sum(~np.isnan(mat.values["busy_s"]), axis=0))  # fmt: skip
+                   np.sum(~np.isnan(mat.values["busy_s"]), axis=0), work, per)  # fmt: skip
+
+
+def work_medians(mat: StepMatrix, column: str = "work") -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, the median work per step and the median busy seconds per unit of work."""
+    work, busy = mat.values[column], mat.values["busy_s"]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        per = np.where(work > 0, busy / np.where(work > 0, work, 1.0), np.nan)
+    return nanmedian(work, axis=0), nanmedian(per, axis=0)
 
 
 def rank_rows(figures: RankFigures, verdict: Verdict, rank_meta: dict[int, dict]) -> list[RankRow]:
@@ -92,6 +108,9 @@ def rank_rows(figures: RankFigures, verdict: Verdict, rank_meta: dict[int, dict]
         medians = {c.replace("_s", "_ms"): _num(v[j], 3) for c, v in figures.medians.items()}
         rows.append(RankRow(rank=rank, host=meta.get("host"), role=meta.get("role"), steps=int(figures.steps[j]),
                             **medians, slowdown=_num(figures.slowdown[j], 4), flagged=rank in flagged))  # fmt: skip
+        if figures.work is not None and figures.busy_per_work is not None:
+            rows[-1].work = _num(figures.work[j], 3)
+            rows[-1].busy_per_work_us = _num(figures.busy_per_work[j] * 1e6, 4)
     return rows
 
 
@@ -118,14 +137,16 @@ def build_report(
             time_span=[round(t, 3) for t in window] if window else None, where=s.where, gap_ms=s.gap_ms,
         ))  # fmt: skip
     roles = {r: m.get("role") for r, m in rank_meta.items()}
+    context = prepare(context) if context is not None and not context.empty and stragglers else context  # once
     if context is not None and step_times is not None and stragglers:
         for entry, found in zip(stragglers, explain(context, stragglers, step_times, roles), strict=True):
             entry.context = [ContextSignal(**c) for c in found]
     if step_times is not None and stragglers:
         for entry, located in zip(stragglers, locate(code, stragglers, step_times, roles), strict=True):
             entry.code, entry.code_note = [CodeSite(**c) for c in located["code"]], located["note"]
-    for entry in stragglers:
-        entry.hints = hints(entry.cause, entry.where)
+    own = span_values(context, stragglers, step_times, roles) if step_times is not None else [{}] * len(stragglers)
+    for entry, mine in zip(stragglers, own, strict=True):
+        entry.hints = advise(entry, stragglers, mine, rank_meta.get(entry.rank), hosts)
     report = Report(
         run_id=run_meta.get("run_id") if run_meta else None,
         world_size=world,
@@ -146,6 +167,7 @@ def build_report(
         hangs=[],
         thresholds={k: _num(v, 4) for k, v in verdict.thresholds.items()},
         ranks=rank_rows(figures, verdict, rank_meta),
+        imbalance=None if verdict.imbalance is None or unavailable else imbalance_entry(verdict.imbalance, world),
     )
     if unavailable:  # every figure that compares busy times would be a guess
         report.ideal_seconds = report.job_slowdown = report.lost_seconds = report.lost_gpu_seconds = None
@@ -155,17 +177,17 @@ def build_report(
     return report
 
 
-def hints(cause: str, where: str | None) -> list[str]:
-    """What to try when the excess lies in untimed time (``stages.where_excess``)."""
-    if where is None:
-        return []
-    if cause == "data":
-        return ["no fetch is timed, so its data wait is the untimed gap before the forward (with whatever "
-                "else the loop does there): mark the fetch (get_batch = watch.data(get_batch), or with "
-                "watch.data(): ...) or wrap the loader (watch.wrap(loader)) to time it exactly"]
-    return [f"its extra time is untimed code {where}: if the loop fetches data there, mark the fetch "
-            "(get_batch = watch.data(get_batch), or with watch.data(): ...) to count it as data wait; "
-            "the code locations say what else runs there"]
+def imbalance_entry(im: Imbalance, world: int) -> ImbalanceEntry:
+    """The report's imbalance section: the verdict's figures, rounded, and what to try."""
+    phases = {k: round(v, 12) for k, v in im.phase_seconds_per_unit.items()}
+    return ImbalanceEntry(
+        unit=im.unit, steps=im.steps, detected=im.detected, lost_seconds=_num(im.lost_seconds, 4),
+        lost_gpu_seconds=_num(im.lost_seconds * world, 3) if im.lost_seconds is not None else None,
+        slowdown=_num(im.slowdown, 4), explained=_num(im.explained, 4), seconds_per_unit=_num(im.seconds_per_unit, 12),
+        work_spread=_num(im.work_spread, 4), heaviest_ranks=im.heaviest_ranks,
+        heaviest_share=_num(im.heaviest_share, 4), phase_seconds_per_unit=phases, hints=imbalance_advice(im),
+        note=im.note,
+    )  # fmt: skip
 
 
 def busy_unavailable(rank_meta: dict[int, dict]) -> list[Unavailable]:
@@ -198,7 +220,7 @@ def analyze_run(
     plan = runmatrix.plan(scans)
     values = runmatrix.fill(files, plan, plan.ranks, tick)
     start = values.pop("start_time")
-    mat = StepMatrix(plan.ranks, plan.steps, values)
+    mat = StepMatrix(plan.ranks, plan.steps, values, work_unit=work_unit(path) or "")
     times = step_times(mat.steps, start, mat.values["step_s"])
     del start
     rank_meta = read_rank_meta(path)

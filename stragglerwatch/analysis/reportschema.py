@@ -79,6 +79,28 @@ class RankRow:
     other_ms: float | None
     slowdown: float | None
     flagged: bool
+    work: float | None = None  # median work per step (units of the report's ``imbalance.unit``); None: not recorded
+    busy_per_work_us: float | None = None  # median busy microseconds per unit of work
+
+
+@dataclass
+class ImbalanceEntry:
+    """Load imbalance: ranks given unequal work in the same step (``analysis/imbalance.py``)."""
+
+    unit: str  # what a unit of work is: "elements", "tokens", or what ``note_work`` was told
+    steps: int  # steps with work recorded on at least two ranks of a group
+    detected: bool  # the imbalance costs at least ``DetectConfig.imbalance_min_slowdown``
+    lost_seconds: float | None  # job time lost because ranks got unequal work (what-if: equal work per step)
+    lost_gpu_seconds: float | None
+    slowdown: float | None  # the job slowdown S imbalance alone causes: T / (T - lost)
+    explained: float | None  # share (0..1) of the spread of busy time across ranks that work size explains
+    seconds_per_unit: float | None  # a healthy rank's busy seconds per unit of work
+    work_spread: float | None  # median over steps of (heaviest - mean) / mean work of a step
+    heaviest_ranks: list[int] = field(default_factory=list)  # ranks that drew the heaviest work most often
+    heaviest_share: float | None = None  # of the steps, for the first of ``heaviest_ranks``
+    phase_seconds_per_unit: dict[str, float] = field(default_factory=dict)  # per phase: healthy seconds per unit
+    hints: list[str] = field(default_factory=list)  # what to try, from what was measured
+    note: str | None = None  # why a figure is missing
 
 
 @dataclass
@@ -138,6 +160,7 @@ class Report:
     log_skipped_lines: int | None = None
     flight_recorder: dict[str, Any] | None = None  # with Flight Recorder dumps: ``flightrec.analyze_dumps``
     hang_verdict: dict[str, Any] | None = None  # ``hangverdict.reconcile`` over every source
+    imbalance: ImbalanceEntry | None = None  # None: no work per step was recorded
     extra: dict[str, Any] = field(default_factory=dict)  # an op-level trace's what-if
     schema: str = REPORT_SCHEMA
 
@@ -164,6 +187,8 @@ class Report:
         kw["busy_unavailable"] = [Unavailable(**u) for u in data["busy_unavailable"]]
         kw["group_imbalance"] = [GroupEntry(**g) for g in data["group_imbalance"]]
         kw["ranks"] = [RankRow(**r) for r in data["ranks"]]
+        if data.get("imbalance") is not None:
+            kw["imbalance"] = ImbalanceEntry(**data["imbalance"])
         if data.get("events") is not None:
             kw["events"] = Events(**data["events"])
         if data.get("attempts") is not None:
@@ -173,7 +198,7 @@ class Report:
 
 #: Keys the JSON has only when the analysis had their source.
 _OPTIONAL = {"run_dir", "events", "attempts", "log_events", "first_failure", "log_lines", "log_skipped_lines",
-             "flight_recorder", "hang_verdict"}
+             "flight_recorder", "hang_verdict", "imbalance"}
 
 
 def _plain(value: Any) -> Any:

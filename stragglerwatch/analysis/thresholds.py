@@ -22,3 +22,4 @@ class DetectConfig:
     min_step_fraction: float = 0.03  # excess must also cost at least this fraction of the step
     comm_bound_fraction: float = 0.5  # bottleneck rank waiting this much of its step: comm-bound
     group_min_slowdown: float = 0.10  # a group this much busier than the others: imbalance
+    imbalance_min_slowdown: float = 0.02  # unequal work costing the job this much (S - 1): reported
