@@ -4,7 +4,8 @@ real-Prometheus tests, next to the real 4-rank job of ``conftest.live_prometheus
 ``SyntheticJob(run_id, ranks, base_port, sd_dir, lean=True)`` starts one :class:`Exporter` per rank
 (``RankCollector`` and ``ContextCollector``, as ``attach`` wires them) and a thread that plays the
 job: 20 steps a second; rank ``slow`` 30 ms a step slower in forward and backward, the others
-waiting for it in the gradient all-reduce (busy time 65 ms against 35 ms); every ``stall_every_s``
+waiting for it in the gradient all-reduce (busy time 65 ms against 35 ms); every rank records its
+work (tokens, a different rank the heaviest each step: :func:`tokens`); every ``stall_every_s``
 all ranks stop for ``stall_s``, and after ``watchdog_s`` of it every rank's watchdog counts a
 stall: the slow rank's in ``backward`` (the culprit), the others' in ``allreduce_wait`` (its
 victims), the same story as the real job's. The host context is this process's, sampled for real
@@ -30,12 +31,20 @@ BASE = {"data_wait": 0.001, "forward": 0.010, "backward": 0.020, "allreduce_wait
         "eval": 0.0, "optimizer": 0.003, "other": 0.001}  # fmt: skip
 
 
-def step_record(rank: int, step: int, end: float, **phases: float) -> StepRecord:
-    """One made-up step of ``rank`` ending at ``end`` (Unix seconds): ``BASE`` with ``phases`` added."""
+def step_record(rank: int, step: int, end: float, work: float | None = None, **phases: float) -> StepRecord:
+    """One made-up step of ``rank`` ending at ``end`` (Unix seconds): ``BASE`` with ``phases`` added;
+    ``work``: the tokens of the step (None: not measured)."""
     s = {p: v + phases.get(p, 0.0) for p, v in BASE.items()}
     total, comm = sum(s.values()), s["allreduce_wait"] + s["collective_wait"]
+    measured = {} if work is None else {"work": float(work), "work_unit": "tokens"}
     return StepRecord(rank, step, end - total, *(s[p] for p in BASE), total, total - comm - s["eval"], comm, 1,
-                      "host", [], [], [])  # fmt: skip
+                      "host", [], [], [], **measured)  # fmt: skip
+
+
+def tokens(rank: int, step: int) -> float:
+    """The made-up work of a rank's step: 4096 tokens, up to 1536 more on a rank that changes every
+    step (an imbalance that moves from rank to rank, and averages out over a scrape interval)."""
+    return 4096.0 + 512.0 * ((step + rank) % 4)
 
 
 @dataclass
@@ -94,7 +103,7 @@ class SyntheticJob:
                 extra = {"forward": 0.010, "backward": 0.020} if rank == self.slow else {"allreduce_wait": 0.030}
                 if after_stall:  # the stuck step: the culprit outside a collective, the victims waiting in one
                     extra = {**extra, ("other" if rank == self.slow else "allreduce_wait"): self.stall_s}
-                metrics.observe([step_record(rank, self.step, end, **extra)])
+                metrics.observe([step_record(rank, self.step, end, tokens(rank, self.step), **extra)])
                 self.watchdogs[rank].stalled = False
             after_stall = False
 

@@ -77,7 +77,11 @@ def test_text_and_html_reports(compute_run: Path, tmp_path: Path, capsys: pytest
     assert page.startswith("<!DOCTYPE html>") and "rank 2 is" in page
     assert "where in the code" in page and "demo_job.py" in page, "the straggler's code location"
     assert "code: of its extra" in text and "demo_job.py" in text
-    assert page.count("Plotly.newPlot") == 4, "heatmap, breakdown, busy band and the straggler's host context"
+    # every rank trains on batches of one shape: the work (the input's elements) is recorded, and equal
+    assert "work per step recorded (elements): no load imbalance worth reporting" in " ".join(text.split())
+    assert "work per rank (medians; work in elements per step" in text and "<th>elements/step</th>" in page
+    assert page.count("Plotly.newPlot") == 6, ("heatmap, breakdown, busy band, the straggler's host context, the "
+                                               "work per step and busy time against work")  # fmt: skip
     assert "<script src=" not in page, "self-contained: plotly.js inlined"
 
 
@@ -150,3 +154,109 @@ def test_schema_1_0_logs_stay_readable(tmp_path: Path, capsys: pytest.CaptureFix
     report = analyze_json(run, capsys)
     assert [(s["rank"], s["cause"]) for s in report["stragglers"]] == [(1, "compute")]
     assert report["busy_unavailable"] == []
+
+
+def sim_analysis(run: Path, **config):
+    """``analyze_run`` of a simulated 8-rank run (``config``: more of its ``SimConfig``)."""
+    from stragglerwatch.analysis.report import analyze_run
+    from stragglerwatch.record.simulate import SimConfig, write_run
+
+    return analyze_run(write_run(run, SimConfig(ranks=8, steps=200, seed=1, **config)))
+
+
+def test_text_report_shows_the_load_imbalance(tmp_path: Path) -> None:
+    """A run whose ranks draw batches of unequal tokens: the cost, what work explains, what to try,
+    and each rank's work and busy time per token, in 80 columns."""
+    from stragglerwatch.presentation.render import render_text
+
+    report = sim_analysis(tmp_path / "run", tokens=4096).report
+    imb = report["imbalance"]
+    assert imb["detected"] and imb["unit"] == "tokens" and report["stragglers"] == []
+    text = render_text(report)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "load imbalance: ranks got unequal tokens in the same step (not a slow rank):" in lines
+    flat = " ".join(text.split())
+    assert (f"imbalance cost {imb['lost_seconds']:.1f} s, {imb['lost_gpu_seconds']:.0f} GPU-s (S {imb['slowdown']:.2f} "
+            f"from imbalance alone), work size explains {imb['explained']:.0%} of the spread of busy time across "
+            "ranks") in flat  # fmt: skip
+    assert f"one more token costs a healthy rank {imb['seconds_per_unit'] * 1e6:.3g} µs" in flat
+    assert sum(line.startswith("    try: ") for line in lines) == len(imb["hints"]) >= 1
+    assert "lost to stragglers, load imbalance and jitter" in flat
+    head = lines.index("work per rank (medians; work in tokens per step, busy µs per token):")
+    assert lines[head + 1].split() == ["rank", "work/step", "busy/token", "busy", "ms", "vs", "peers"]
+    for row, line in zip(report["ranks"], lines[head + 2 :], strict=True):
+        rank, work, per = line.split()[:3]
+        assert int(rank) == row["rank"] and float(work.replace(",", "")) == pytest.approx(row["work"], abs=0.5)
+        assert float(per) == pytest.approx(row["busy_per_work_us"], rel=0.01)
+
+
+def test_text_report_of_each_imbalance_case(tmp_path: Path) -> None:
+    """Not detected, a figure missing, the heaviest ranks: each as a line of its own."""
+    from stragglerwatch.presentation.render import render_text, verdict_lines
+
+    report = sim_analysis(tmp_path / "run", tokens=4096, token_mode="balanced").report
+    assert report["imbalance"]["detected"] is False
+    assert "work per step recorded (tokens): no load imbalance worth reporting (S 1.00x)." in verdict_lines(report)
+    assert "load imbalance:" not in render_text(report) and "work per rank (medians" in render_text(report)
+    noted = verdict_lines({**report, "imbalance": {**report["imbalance"], "note": "work recorded on one rank only"}})
+    at = noted.index("work per step recorded (tokens): no load imbalance worth reporting (S 1.00x).")
+    assert noted[at + 1] == "  note: work recorded on one rank only"
+    made = {"unit": "tokens", "steps": 200, "detected": True, "lost_seconds": 12.34, "lost_gpu_seconds": 98.7,
+            "slowdown": 1.08, "explained": 0.71, "seconds_per_unit": None, "work_spread": 0.24,
+            "heaviest_ranks": [3, 5], "heaviest_share": 0.4, "phase_seconds_per_unit": {},
+            "hints": ["pack sequences into a fixed token budget"], "note": None}  # fmt: skip
+    lines = verdict_lines({**report, "imbalance": made})
+    at = lines.index("load imbalance: ranks got unequal tokens in the same step (not a slow rank):")
+    assert lines[at + 1 : at + 4] == [
+        "  imbalance cost 12.3 s, 99 GPU-s (S 1.08 from imbalance alone), work size explains 71% of the spread of "
+        "busy time across ranks",
+        "    work: a step's heaviest rank has 24% more tokens than the mean (median over steps); heaviest most "
+        "often: ranks 3, 5 (the first in 40% of the steps)",
+        "    try: pack sequences into a fixed token budget",
+    ]  # fmt: skip
+    note = "busy time per token unknown: work recorded on one rank per group"
+    missing = {**made, "lost_seconds": None, "lost_gpu_seconds": None, "slowdown": None, "work_spread": None,
+               "heaviest_ranks": [], "note": note}  # fmt: skip
+    lines = verdict_lines({**report, "imbalance": missing})
+    at = lines.index("load imbalance: ranks got unequal tokens in the same step (not a slow rank):")
+    assert lines[at + 1] == "  work size explains 71% of the spread of busy time across ranks"
+    assert lines[at + 3] == f"    note: {note}"
+    assert max(len(line) for line in render_text({**report, "imbalance": missing}).splitlines()) <= 80
+
+
+def test_html_report_shows_the_load_imbalance(tmp_path: Path) -> None:
+    from stragglerwatch.presentation.htmlreport import render_html
+
+    analysis = sim_analysis(tmp_path / "run", tokens=4096)
+    page = render_html(analysis)
+    assert "<h2>Load imbalance</h2>" in page and "class='verdict'" in page, "an imbalance is no healthy run"
+    imb = analysis.report["imbalance"]
+    assert f"<td>{imb['explained']:.0%}</td>" in page and f"<li>{imb['hints'][0]}" in page.replace("&#x27;", "'")
+    assert "Work per step (tokens), rank x step" in page and "Busy time vs work" in page
+    assert page.count("Plotly.newPlot") == 4, "heatmap, breakdown, work per step and busy time vs work"
+    assert "<th>tokens/step</th><th>busy µs/token</th>" in page
+    balanced = render_html(sim_analysis(tmp_path / "balanced", tokens=4096, token_mode="balanced"))
+    assert "no load imbalance worth reporting (S 1.00x)" in balanced and "class='verdict ok'" in balanced
+
+
+def test_a_report_without_work_renders_as_before(tmp_path: Path) -> None:
+    """No work recorded, or a report JSON written before work existed: no imbalance, no work columns."""
+    import dataclasses
+
+    from stragglerwatch.analysis.reportschema import Report
+    from stragglerwatch.presentation.htmlreport import render_html
+    from stragglerwatch.presentation.render import render_text
+
+    analysis = sim_analysis(tmp_path / "run")
+    report = analysis.report
+    assert "imbalance" not in report and all(r["work"] is None for r in report["ranks"])
+    old = json.loads(json.dumps(report))
+    for row in old["ranks"]:
+        del row["work"], row["busy_per_work_us"]
+    assert Report.from_dict(old).imbalance is None, "an old report reads back"
+    text = render_text(old)
+    assert text == render_text(report)
+    assert "imbalance" not in text and "work per" not in text and "work/step" not in text
+    page = render_html(dataclasses.replace(analysis, report=old))
+    assert "Load imbalance" not in page and "/step</th>" not in page and page.count("Plotly.newPlot") == 2

@@ -14,7 +14,17 @@ from conftest import EXAMPLE, ROOT, free_ports, wait_for
 
 from stragglerwatch.cli.dashboard import DashboardServer
 from stragglerwatch.presentation.dashboard import RunDirSource, Snapshot
-from stragglerwatch.presentation.dashboard.app import BANNER, BREAKDOWN, HEATMAP, TABLE, render
+from stragglerwatch.presentation.dashboard.app import (
+    BANNER,
+    BREAKDOWN,
+    HEATMAP,
+    IMBALANCE,
+    TABLE,
+    TABLE_COLUMNS,
+    WORK,
+    WORK_ROW,
+    render,
+)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
@@ -191,3 +201,84 @@ def test_banner_says_busy_time_unavailable(make_run) -> None:
     assert style == CAUTION_STYLE
     out = render(snap, None)
     assert out["rows"] and all(r["flagged"] == "" for r in out["rows"])
+
+
+def imbalanced_run(run: Path, **config) -> Path:
+    """A simulated run whose ranks draw batches of unequal tokens (a different rank the heaviest each step)."""
+    from stragglerwatch.record.simulate import SimConfig, write_run
+
+    return write_run(run, SimConfig(ranks=8, steps=300, seed=1, tokens=4096, **config))
+
+
+@needs_browser
+def test_work_and_imbalance_figures(browser, tmp_path: Path) -> None:
+    """A run that recorded work per step: the banner gives the imbalance cost, the work per step and busy
+    time against work are drawn side by side, and the table has the work columns (a run without work
+    shows neither: ``test_render_shows_work_only_where_recorded``)."""
+    from selenium.webdriver.common.by import By
+
+    run = imbalanced_run(tmp_path / "sim")
+    server = serve(run)
+    try:
+        browser.get(server.url)
+        wait_for(lambda: "imbalance cost" in text_of(browser, BANNER), 60, "the banner to give the imbalance cost")
+        banner = text_of(browser, BANNER)
+        assert "load imbalance: ranks got unequal tokens in the same step" in banner and "try:" in banner
+        assert "work size explains" in banner
+        wait_for(lambda: "Work per step (tokens)" in text_of(browser, WORK), 30, "the work figure")
+        wait_for(lambda: "Busy time vs work" in text_of(browser, IMBALANCE), 30, "the imbalance figure")
+        work, imbalance = browser.find_element(By.ID, WORK), browser.find_element(By.ID, IMBALANCE)
+        assert browser.find_element(By.ID, WORK_ROW).is_displayed() and work.is_displayed()
+        assert work.find_elements(By.CSS_SELECTOR, ".hm, image, .heatmaplayer"), "a heatmap"
+        assert len(imbalance.find_elements(By.CSS_SELECTOR, ".scatterlayer .trace")) >= 2, "points and slope"
+        assert imbalance.find_elements(By.CSS_SELECTOR, ".scatterlayer .point")
+        assert abs(work.location["y"] - imbalance.location["y"]) < 5 and imbalance.location["x"] > work.location["x"]
+        assert "tokens/step" in text_of(browser, TABLE) and "busy µs/token" in text_of(browser, TABLE)
+        assert console_errors(browser) == []
+    finally:
+        server.stop()
+
+
+def test_render_shows_work_only_where_recorded(tmp_path: Path) -> None:
+    from stragglerwatch.analysis.report import analyze_run
+    from stragglerwatch.presentation.dashboard.app import CAUTION_STYLE, banner
+    from stragglerwatch.record.simulate import SimConfig, write_run
+
+    snap = Snapshot(analyze_run(imbalanced_run(tmp_path / "sim")))
+    out = render(snap, None)
+    assert out["work_style"]["display"] == "grid"
+    assert out["work"].data[0].type == "heatmap" and len(out["work"].data[0].z) == 8
+    assert [t.name for t in out["imbalance"].data][0] == "healthy ranks' steps"
+    assert out["imbalance"].data[-1].name.startswith("healthy slope:")
+    names = [c["name"] for c in out["columns"]]
+    assert names[-4:] == ["tokens/step", "busy µs/token", "vs peers", "flagged"]
+    assert all(r["work"] > 0 and r["busy_per_work_us"] > 0 for r in out["rows"])
+    children, style = banner(snap, "sim")
+    assert style == CAUTION_STYLE, "load imbalance is no rank at fault, and no healthy run either"
+    assert any("imbalance cost" in str(c.children) for c in children)
+    plain = Snapshot(analyze_run(write_run(tmp_path / "plain", SimConfig(ranks=8, steps=100, seed=1))))
+    out = render(plain, None)
+    assert out["work_style"]["display"] == "none" and out["columns"] == [{"name": t, "id": k} for k, t in TABLE_COLUMNS]
+
+
+def test_work_figures_are_bounded() -> None:
+    """1,000 ranks x 2,000 steps: the work heatmap is binned and the scatter sampled, on the server."""
+    import numpy as np
+
+    from stragglerwatch.analysis.detect import MATRIX_COLUMNS, StepMatrix, detect
+    from stragglerwatch.presentation import figures
+    from stragglerwatch.record.simulate import SimConfig, simulate_arrays
+
+    cfg = SimConfig(ranks=1000, steps=2000, seed=3, tokens=2048)
+    values = simulate_arrays(cfg)
+    for col in MATRIX_COLUMNS:
+        values.setdefault(col, np.full((cfg.steps, cfg.ranks), np.nan))
+    mat = StepMatrix(np.arange(cfg.ranks), np.arange(cfg.steps), values, work_unit="tokens")
+    verdict = detect(mat)
+    heat = figures.work_heatmap(mat).data[0]
+    assert len(heat.z) <= figures.MAX_RANK_ROWS and len(heat.z[0]) <= figures.MAX_STEP_COLS
+    assert "steps binned" in figures.work_heatmap(mat).layout.title.text
+    scatter = figures.busy_vs_work(mat, verdict)
+    assert scatter.data and all(len(t.x) <= figures.MAX_SCATTER for t in scatter.data)
+    empty = StepMatrix(mat.ranks[:2], mat.steps[:2], {c: v[:2, :2] * np.nan for c, v in values.items()})
+    assert "no work per step recorded" in figures.busy_vs_work(empty, detect(empty)).layout.annotations[0].text

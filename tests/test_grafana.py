@@ -1,5 +1,6 @@
 """The Grafana dashboards: in sync with their generator, well formed, and every query answered by a
-real Prometheus that scraped a real 4-rank job with a straggler and a stall (no Grafana server)."""
+real Prometheus that scraped a real 4-rank job with a straggler and a stall (no Grafana server), the
+work panels included: the real job's ranks count their input elements, the lean run's its tokens."""
 
 from __future__ import annotations
 
@@ -140,6 +141,7 @@ def check_run_dashboard(base: str, run_id: str, mode: str, started: float) -> No
         rows = prom_api(base, substitute(top["targets"][1]["expr"], run_id))
         return next((r["metric"]["phase"] for r in rows if r["metric"]["rank"] == "2"), "")
 
+    check_work_panels(base, run_id, mode, run)
     # right after the stall, its 6 s in `other` dominate rank 2's 20 s window; then compute shows again
     wait_for(lambda: cause_of_2() in ("forward", "backward"), 90, f"{mode}: rank 2's cause to be compute")
     (stalls,) = [p for p in run["panels"] if p["title"] == "Watchdog: stalls"]
@@ -154,3 +156,28 @@ def check_run_dashboard(base: str, run_id: str, mode: str, started: float) -> No
     assert {r for r, phase in stalled if phase in waiting} == {"0", "1", "3"}, mode
     alerts = query_range(base, f'ALERTS{{alertname="WatchdogTimeout", run="{run_id}"}}', minutes=whole_job)
     assert {s["metric"]["rank"] for s in alerts} == {"0", "1", "2", "3"}, f"{mode}: WatchdogTimeout for every rank"
+
+
+def check_work_panels(base: str, run_id: str, mode: str, run: dict) -> None:
+    """Every rank's work per step; busy time per unit of work tells the straggler (rank 2: slower for the
+    same work) from its peers; the spread of work across ranks. (In the lean run a different rank draws
+    the heaviest batch each step, ``synthetic_ranks.tokens``: over the rate interval it averages out.)"""
+    panels = {p["title"]: p for p in run["panels"]}
+
+    def values(title: str) -> dict[str, float]:
+        found = prom_api(base, substitute(panels[title]["targets"][0]["expr"], run_id))
+        return {s["metric"].get("rank", ""): float(s["value"][1]) for s in found}
+
+    work = prom_api(base, substitute(panels["Work per step per rank"]["targets"][0]["expr"], run_id))
+    assert sorted(s["metric"]["rank"] for s in work) == ["0", "1", "2", "3"], f"{mode}: work of every rank"
+    units = {s["metric"]["unit"] for s in work}
+    assert units == ({"tokens"} if mode == "lean" else {"elements"}), f"{mode}: {units}"
+    per_step = [float(s["value"][1]) for s in work]
+    if mode == "lean":
+        assert all(4096 <= w <= 5632 for w in per_step), per_step
+    else:  # every rank trains on batches of one shape
+        assert max(per_step) == pytest.approx(min(per_step)) and min(per_step) > 0, per_step
+    wait_for(lambda: max((v, r) for r, v in values("Busy time per unit of work per rank").items())[1] == "2", 60,
+             f"{mode}: rank 2 to have the most busy time per unit of work")  # fmt: skip
+    (spread,) = values("Spread of work across ranks").values()
+    assert 0 <= spread < 0.2, f"{mode}: the spread of work across ranks over the interval: {spread}"

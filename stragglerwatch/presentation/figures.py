@@ -4,6 +4,7 @@ no figure carries more than ``MAX_CELLS`` heatmap cells or ``MAX_POINTS`` points
 
 from __future__ import annotations
 
+import warnings
 from datetime import datetime, timezone
 
 import numpy as np
@@ -179,4 +180,100 @@ def events_timeline(events: list[dict]) -> go.Figure:
         )
     fig.update_layout(title="Watchdog events", xaxis_title="time (UTC)", yaxis_title="rank",
                       yaxis={"type": "category"}, margin={"t": 50})  # fmt: skip
+    return fig
+
+
+MAX_SCATTER = 3000  # points of a scatter figure
+
+
+def work_column(mat: StepMatrix, verdict: Verdict | None = None) -> str | None:
+    """The column of work the figures show: the one the verdict's imbalance was fitted on (the counted
+    ``work``, or the input's padded shape ``work_elements``), else the first recorded; None: neither."""
+
+    def recorded(col: str) -> bool:
+        return col in mat.values and bool(np.isfinite(mat.values[col]).any())
+
+    fitted = getattr(getattr(verdict, "imbalance", None), "column", None)
+    return next((c for c in (fitted, "work", "work_elements") if c and recorded(c)), None)
+
+
+def has_work(mat: StepMatrix) -> bool:
+    """Whether the run recorded work per step (``values["work"]`` or ``values["work_elements"]``) on any rank."""
+    return work_column(mat) is not None
+
+
+def _work(mat: StepMatrix, verdict: Verdict | None, unit: str | None) -> tuple[np.ndarray | None, str]:
+    col = work_column(mat, verdict)
+    if col is None:
+        return None, unit or "units"
+    return mat.values[col], unit or (mat.work_unit if col == "work" else "elements") or "units"
+
+
+def work_heatmap(mat: StepMatrix, unit: str | None = None, verdict: Verdict | None = None) -> go.Figure:
+    """Rank x step work per step (tokens, elements: ``unit``; of the column :func:`work_column` picks).
+    Steps binned by mean, ranks by max (the heaviest rank of a bin stays visible)."""
+    z, unit = _work(mat, verdict, unit)
+    if z is None:
+        return empty("no work per step recorded")
+    sb = _bins(z.shape[0], MAX_STEP_COLS)
+    rb = _bins(z.shape[1], MAX_RANK_ROWS)
+    z = _reduce(_reduce(z, sb, 0, "mean"), rb, 1, "max").T
+    ranks = mat.ranks[rb] if len(rb) else mat.ranks
+    label = "rank" if len(rb) == len(mat.ranks) else "first rank of bin"
+    title = f"Work per step ({unit}), rank x step"
+    if len(sb) < len(mat.steps):
+        title += f" — steps binned by {int(np.ceil(len(mat.steps) / len(sb)))}: zoom in for single steps"
+    fig = go.Figure(
+        go.Heatmap(
+            z=z, x=mat.steps[sb] if len(sb) else mat.steps, y=[str(r) for r in ranks], colorscale="Viridis",
+            colorbar={"title": unit},
+            hovertemplate=f"step %{{x}}<br>{label} %{{y}}<br>%{{z:,.0f}} {unit}<extra></extra>",
+        )
+    )  # fmt: skip
+    fig.update_layout(title=title, xaxis_title="step", yaxis_title=label, yaxis={"type": "category"},
+                      margin={"t": 50})  # fmt: skip
+    return fig
+
+
+def busy_vs_work(mat: StepMatrix, verdict: Verdict, unit: str | None = None) -> go.Figure:
+    """Each rank's step: its work against its busy time, both as the difference from its step's
+    typical (mean work, median busy), so that what moves every rank in a step drops out. Load
+    imbalance shows as a slope (heavier batch, busier rank); a straggler as points above it (busier
+    for the same work). The line: what one more unit of work costs a healthy rank, when it is known."""
+    work, unit = _work(mat, verdict, unit)
+    if work is None:
+        return empty("no work per step recorded")
+    busy = mat.values["busy_s"] * 1000.0
+    ok = np.isfinite(work) & np.isfinite(busy)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step no rank measured: NaN
+        w = work - np.nanmean(np.where(ok, work, np.nan), axis=1, keepdims=True)
+        b = busy - nanmedian(np.where(ok, busy, np.nan), axis=1)[:, None]
+    flagged = verdict.flags if verdict.flags.shape == ok.shape else np.zeros(ok.shape, dtype=bool)
+    fig = go.Figure()
+    for name, cells, color in (("healthy ranks' steps", ok & ~flagged, "rgba(31,119,180,0.45)"),
+                               ("stragglers' flagged steps", ok & flagged, "rgba(214,39,40,0.7)")):  # fmt: skip
+        si, ri = np.nonzero(cells)
+        if not len(si):
+            continue
+        pick = np.unique(np.linspace(0, len(si) - 1, num=min(len(si), MAX_SCATTER), dtype=int))
+        si, ri = si[pick], ri[pick]
+        fig.add_scatter(
+            x=w[si, ri], y=b[si, ri], mode="markers", name=name, marker={"color": color, "size": 5},
+            customdata=np.stack([mat.steps[si], mat.ranks[ri]], axis=1),
+            hovertemplate=f"step %{{customdata[0]}}, rank %{{customdata[1]}}<br>%{{x:+,.0f}} {unit}<br>"
+                          "busy %{y:+.2f} ms<extra></extra>",
+        )  # fmt: skip
+    imb = getattr(verdict, "imbalance", None)
+    rate = getattr(imb, "seconds_per_unit", None)
+    if rate is not None and np.isfinite(rate) and ok.any():
+        lo, hi = float(np.nanmin(w[ok])), float(np.nanmax(w[ok]))
+        fig.add_scatter(x=[lo, hi], y=[lo * rate * 1000.0, hi * rate * 1000.0], mode="lines",
+                        line={"color": "#2ca02c", "dash": "dash"},
+                        name=f"healthy slope: {rate * 1e6:.3g} µs/{unit.removesuffix('s') or unit}")  # fmt: skip
+    explained = getattr(imb, "explained", None)
+    title = "Busy time vs work" + (f" (work explains {explained:.0%})" if explained is not None else "")
+    fig.update_layout(title=title, xaxis_title=f"work - the step's mean ({unit})",
+                      yaxis_title="busy - the step's median (ms)", margin={"t": 50},
+                      legend={"orientation": "h", "yanchor": "top", "y": -0.18})  # fmt: skip
     return fig

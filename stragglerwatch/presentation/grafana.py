@@ -5,8 +5,9 @@ DIR``) writes the whole ``grafana/`` folder of the repository from the installed
 ``dashboards/`` holds ``stragglerwatch.json`` (one run:
 step time, throughput, busy time and its ratio to the peer median per rank, the slowest ranks with
 their cause, the phase breakdown, exposed communication, watchdog stalls, time lost, firing alerts,
-and the ranks' host and GPU context: CPU contention, context switches, GPU clocks and their slowdown
-reasons, temperature and power, GPU errors) and
+the ranks' host and GPU context: CPU contention, context switches, GPU clocks and their slowdown
+reasons, temperature and power, GPU errors; and, where the ranks measure their work per step, the
+work per step, busy time per unit of work and the spread of work across ranks) and
 ``stragglerwatch-overview.json`` (all runs at a glance); ``provisioning/`` the Grafana provisioning
 that loads them and a Prometheus data source; ``docker-compose.yml``, ``compose/prometheus.yml`` and
 ``prometheus/stragglerwatch.rules.yml`` (the rules shipped with the package) a Prometheus and a
@@ -44,6 +45,24 @@ RATIO = f"({BUSY}) / scalar(quantile(0.5, {BUSY}))"
 #: Phases a straggler's cause can be (communication and evaluation are not the rank's own work).
 PHASE = mean("phase_seconds", f'{RUN}, phase!~"allreduce_wait|collective_wait|eval"', by="rank, phase")
 CAUSE = f"topk by (rank) (1, ({PHASE}) - on (phase) group_left quantile by (phase) (0.5, {PHASE}))"
+
+
+def rate_by_rank(metric: str, sel: str, by: str = "rank") -> str:
+    return f"sum by ({by}) (rate(stragglerwatch_{metric}{{{sel}}}[$__rate_interval]))"
+
+
+#: Steps per second whose work was measured, per rank (none: no series, not a division by zero).
+WORK_STEPS = f"({rate_by_rank('work_steps_total', RANKS)} > 0)"
+#: Work per step per rank over the panel's rate interval (in the unit the rank recorded).
+WORK = f"{rate_by_rank('work_total', RANKS, 'rank, unit')} / on (rank) group_left () {WORK_STEPS}"
+#: Busy seconds per unit of work per rank, only where every step of the interval had its work measured
+#: (busy time counts every step, the work only the measured ones: ``work_steps_total`` = ``steps_total``).
+BUSY_PER_WORK = (f"({rate_by_rank('busy_seconds_sum', RANKS)} / on (rank) {rate_by_rank('work_total', RANKS)}) "
+                 f"and on (rank) ({rate_by_rank('work_steps_total', RANKS)} >= 0.99 * "
+                 f"{rate_by_rank('steps_total', RANKS)})")  # fmt: skip
+_WORK_ALL = f"{rate_by_rank('work_total', RUN)} / on (rank) ({rate_by_rank('work_steps_total', RUN)} > 0)"
+#: The job's spread of work across ranks: (heaviest - mean) / mean of the ranks' work per step.
+WORK_SPREAD = f"(max({_WORK_ALL}) - avg({_WORK_ALL})) / avg({_WORK_ALL})"
 
 
 def target(expr: str, legend: str, ref: str = "A", instant: bool = False, table: bool = False) -> dict[str, Any]:
@@ -152,6 +171,7 @@ def run_dashboard() -> dict[str, Any]:
             target(f'ALERTS{{{RUN}, alertstate="firing"}}', "{{alertname}} rank {{rank}}", instant=True, table=True),
         ], links=[RULES_LINK]),
         *context_panels(11, 47),
+        *work_panels(17, 71),
     ]  # fmt: skip
     return _dashboard("stragglerwatch-run", "stragglerwatch: run", panels, _templating(), _annotations())
 
@@ -199,6 +219,36 @@ def context_panels(first_id: int, y: int) -> list[dict[str, Any]]:
                    "rank {{rank}} XID", "D"),
         ], fieldConfig=_unit("none"), description="New errors per interval: a degraded PCIe link replays, a "
             "failing NVLink retries; XIDs are the driver's critical errors (last code: stragglerwatch_gpu_last_xid)."),
+    ]  # fmt: skip
+
+
+#: What every work panel's description ends with: what per-rank rates cannot tell.
+NO_STEP_COST = ("Per-rank rates average each rank's work over the interval, so imbalance that moves from rank to "
+                "rank (a different heaviest batch each step) averages out here; only imbalance that stays on the "
+                "same ranks shows. The per-step imbalance cost needs every rank's step side by side and cannot be "
+                "computed from these rates: it is in `stragglerwatch analyze` and the Dash dashboard.")  # fmt: skip
+
+
+def work_panels(first_id: int, y: int) -> list[dict[str, Any]]:
+    """Straggler or load imbalance: the work each rank is given (``stragglerwatch_work_total``, the
+    steps it was measured on ``stragglerwatch_work_steps_total``), its busy time per unit of work, and
+    the job's spread of work across ranks. No series for a run that measures no work."""
+    return [
+        panel(first_id, "Work per step per rank", "timeseries", (0, y, 12, 8), [
+            target(WORK, "rank {{rank}} ({{unit}})"),
+        ], fieldConfig=_unit("none"), description="Mean units of work per step (input elements, tokens, or what "
+            "the loop noted with note_work) over the steps whose work was measured. A rank given more work is "
+            "busier without being slow: that is load imbalance, not a straggler. " + NO_STEP_COST),
+        panel(first_id + 1, "Busy time per unit of work per rank", "timeseries", (12, y, 12, 8), [
+            target(BUSY_PER_WORK, "rank {{rank}}"),
+        ], fieldConfig=_unit("s"), description="Busy seconds over units of work. A straggler (slow for the same "
+            "work) stands out here; a rank that merely drew heavier batches does not. stragglerwatch_busy_seconds "
+            "counts every step and the work only the steps whose work was measured, so a rank is shown only while "
+            "its work was measured on every step of the interval. " + NO_STEP_COST),
+        panel(first_id + 2, "Spread of work across ranks", "timeseries", (0, y + 8, 24, 7), [
+            target(WORK_SPREAD, "(heaviest - mean) / mean work per step"),
+        ], fieldConfig=_unit("percentunit"), description="How much more work per step the heaviest rank was "
+            "given than the mean rank, over the interval (0 = balanced). " + NO_STEP_COST),
     ]  # fmt: skip
 
 

@@ -1,5 +1,5 @@
-"""Self-contained HTML report: verdict, verdict table, and the figures of ``figures.py``
-(plotly.js inlined once, so the file opens offline)."""
+"""Self-contained HTML report: verdict, verdict table, the load imbalance where work per step was
+recorded, and the figures of ``figures.py`` (plotly.js inlined once, so the file opens offline)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,13 @@ from stragglerwatch.analysis.report import Analysis  # noqa: E402
 from stragglerwatch.presentation import figures  # noqa: E402
 from stragglerwatch.presentation.ctxfigure import context_figure  # noqa: E402
 from stragglerwatch.presentation.hangrender import flight_recorder_lines, hang_verdict_lines  # noqa: E402
-from stragglerwatch.presentation.render import code_text, context_text, hang_line, verdict_lines  # noqa: E402
+from stragglerwatch.presentation.render import (  # noqa: E402
+    code_text,
+    context_text,
+    hang_line,
+    verdict_lines,
+    work_text,
+)
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
@@ -42,7 +48,9 @@ def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
 
 def render_html(analysis: Analysis) -> str:
     report, mat, verdict = analysis.report, analysis.matrix, analysis.verdict
-    ok = not (report["stragglers"] or report["hangs"] or report["group_imbalance"] or report.get("busy_unavailable"))
+    imbalance = report.get("imbalance")
+    ok = not (report["stragglers"] or report["hangs"] or report["group_imbalance"] or report.get("busy_unavailable")
+              or (imbalance and imbalance["detected"]))  # fmt: skip
     verdict_html = "".join(f"<p>{html.escape(line)}</p>" for line in verdict_lines(report))
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
@@ -56,7 +64,8 @@ def render_html(analysis: Analysis) -> str:
         parts.append("<h2>Stragglers</h2>")
         parts.append(
             _table(
-                [{**s, "why": context_text(s), "code": code_text(s), "cause": s["cause"] + (
+                [{**s, "why": context_text(s), "code": code_text(s), "try": "; ".join(s.get("hints") or []),
+                  "cause": s["cause"] + (
                     f" ({s['where']})" if s.get("where") else "")} for s in report["stragglers"]],
                 [
                     ("rank", "rank"),
@@ -70,6 +79,7 @@ def render_html(analysis: Analysis) -> str:
                     ("lost_gpu_seconds", "GPU-s lost"),
                     ("why", "host and GPU context"),
                     ("code", "where in the code"),
+                    ("try", "what to try"),
                 ],
             )  # fmt: skip
         )
@@ -95,6 +105,8 @@ def render_html(analysis: Analysis) -> str:
     if report["group_imbalance"]:
         parts.append("<h2>Group imbalance</h2>")
         parts.append(_table(report["group_imbalance"], [("group", "group"), ("slowdown", "busy vs other groups")]))
+    if imbalance:
+        parts += imbalance_html(imbalance)
     figs = [figures.heatmap(mat, verdict), figures.breakdown(mat, verdict, report["ranks"])]
     if report["stragglers"]:
         figs.append(figures.busy_band(mat, verdict))
@@ -102,6 +114,9 @@ def render_html(analysis: Analysis) -> str:
             rank = report["stragglers"][0]["rank"]
             spans = [tuple(s["time_span"]) for s in report["stragglers"] if s["rank"] == rank and s["time_span"]]
             figs.append(context_figure(analysis.context, rank, spans))
+    if figures.has_work(mat):
+        unit = (imbalance or {}).get("unit") or None  # None: the unit of the column shown
+        figs += [figures.work_heatmap(mat, unit, verdict), figures.busy_vs_work(mat, verdict, unit)]
     for i, fig in enumerate(figs):
         parts.append(fig.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False))
     parts.append("<h2>Per rank</h2>")
@@ -124,9 +139,53 @@ def render_html(analysis: Analysis) -> str:
                 ("optimizer_ms", "opt"),
                 ("other_ms", "other"),
                 ("slowdown", "vs peers"),
+                *work_columns(report),
                 ("flagged", "flagged"),
             ],
         )  # fmt: skip
     )
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def work_columns(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The per-rank table's columns of work, when any rank has them."""
+    if not any(r.get("work") is not None or r.get("busy_per_work_us") is not None for r in report["ranks"]):
+        return []
+    unit = (report.get("imbalance") or {}).get("unit") or "units"
+    return [("work", f"{unit}/step"), ("busy_per_work_us", f"busy µs/{unit.removesuffix('s') or unit}")]
+
+
+def imbalance_html(imb: dict[str, Any]) -> list[str]:
+    """The load imbalance section: detected or not, its cost, what work explains, the hints, the note."""
+    unit = html.escape(imb["unit"])
+    if not imb["detected"]:
+        s = f" (S {imb['slowdown']:.2f}x)" if imb.get("slowdown") is not None else ""
+        out = ["<h2>Load imbalance</h2>",
+               f"<p>Work per step recorded ({unit}): no load imbalance worth reporting{s}.</p>"]  # fmt: skip
+    else:
+        rows = [("unit of work", imb["unit"]), ("steps with work on two ranks or more", imb["steps"]),
+                ("time lost to unequal work (s)", imb.get("lost_seconds")),
+                ("GPU-s lost", imb.get("lost_gpu_seconds")),
+                ("job slowdown S from imbalance alone", imb.get("slowdown")),
+                ("share of the spread of busy time across ranks that work explains",
+                 None if imb.get("explained") is None else f"{imb['explained']:.0%}"),
+                ("heaviest rank's work over the step's mean, median step",
+                 None if imb.get("work_spread") is None else f"+{imb['work_spread']:.0%}"),
+                ("busy µs one more unit costs a healthy rank",
+                 None if imb.get("seconds_per_unit") is None else round(imb["seconds_per_unit"] * 1e6, 4)),
+                ("ranks that drew the heaviest work most often", ", ".join(map(str, imb.get("heaviest_ranks") or [])))]
+        out = ["<h2>Load imbalance</h2>",
+               f"<p>Ranks got unequal {unit} in the same step: the heaviest batch holds the others up, a "
+               "different rank each step. This is not a slow rank; the fix is in the data pipeline.</p>",
+               _table([{"what": k, "value": v} for k, v in rows if v not in (None, "")],
+                      [("what", ""), ("value", "")])]  # fmt: skip
+        work = work_text(imb)
+        if work:
+            out.append(f"<p>{html.escape(work)}.</p>")
+        hints = imb.get("hints") or []
+        if hints:
+            out.append("<p>Try:</p><ul>" + "".join(f"<li>{html.escape(h)}</li>" for h in hints) + "</ul>")
+    if imb.get("note"):
+        out.append(f"<p>Note: {html.escape(imb['note'])}</p>")
+    return out

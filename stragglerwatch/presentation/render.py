@@ -1,5 +1,6 @@
-"""Text rendering of an analysis report (a dict, see ``analysis.py``): verdict first,
-then the per-rank table, in 80 columns."""
+"""Text rendering of an analysis report (a dict, see ``analysis.py``): verdict first (load imbalance
+among it, where work per step was recorded), then the per-rank table and, with work, a table of each
+rank's work per step and busy time per unit of it, in 80 columns."""
 
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"{len(attempts)} attempts, steps numbered on across them: {starts}.")
     for g in report.get("group_imbalance", []):
         lines.append(f"group imbalance: {g['group']} (ranks {_ranks(g['ranks'])}) is {g['slowdown']:.2f}x as busy")
+    lines += imbalance_lines(report)
     for h in report.get("hangs", []):
         lines.append(hang_line(h))
     if report["communication_bound"]:
@@ -87,12 +89,73 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
         return lines
     ideal = ("if every op took its typical time (what-if replay)" if "whatif_verdict" in report
              else "if every rank ran at its peers' median")  # fmt: skip
+    lost_to = _lost_to(report)
     lines.append(
         f"job slowdown S = {report['job_slowdown']:.3f}: {_duration(report['job_seconds'])} actual vs "
         f"{_duration(report['ideal_seconds'])} {ideal} "
-        f"({_duration(report['lost_seconds'])} lost to stragglers and jitter, {report['lost_gpu_seconds']:.0f} GPU-s)"
+        f"({_duration(report['lost_seconds'])} lost to {lost_to}, {report['lost_gpu_seconds']:.0f} GPU-s)"
     )
     return lines
+
+
+def imbalance_lines(report: dict[str, Any]) -> list[str]:
+    """Load imbalance (ranks given unequal work in the same step), when work per step was recorded:
+    its cost and what work size explains, the heaviest ranks, what to try; one line when there is none."""
+    imb = report.get("imbalance")
+    if not imb:
+        return []
+    unit = imb["unit"]
+    if not imb["detected"]:
+        s = f" (S {imb['slowdown']:.2f}x)" if imb.get("slowdown") is not None else ""
+        note = [f"  note: {imb['note']}"] if imb.get("note") else []
+        return [f"work per step recorded ({unit}): no load imbalance worth reporting{s}.", *note]
+    cost = []
+    if imb.get("lost_seconds") is not None:
+        gpu = f", {imb['lost_gpu_seconds']:.0f} GPU-s" if imb.get("lost_gpu_seconds") is not None else ""
+        alone = f" (S {imb['slowdown']:.2f} from imbalance alone)" if imb.get("slowdown") is not None else ""
+        cost.append(f"imbalance cost {_duration(imb['lost_seconds'])}{gpu}{alone}")
+    if imb.get("explained") is not None:
+        cost.append(f"work size explains {imb['explained']:.0%} of the spread of busy time across ranks")
+    lines = [f"load imbalance: ranks got unequal {unit} in the same step (not a slow rank):"]
+    if cost:
+        lines.append("  " + ", ".join(cost))
+    work = work_text(imb)
+    if work:
+        lines.append(f"    work: {work}")
+    lines += [f"    try: {h}" for h in imb.get("hints") or []]
+    if imb.get("note"):
+        lines.append(f"    note: {imb['note']}")
+    return lines
+
+
+def work_text(imb: dict[str, Any]) -> str:
+    """How the work was spread (the report's ``imbalance``), in one sentence; "" if nothing is known."""
+    parts = []
+    if imb.get("work_spread") is not None:
+        parts.append(f"a step's heaviest rank has {imb['work_spread']:.0%} more {imb['unit']} than the mean "
+                     "(median over steps)")  # fmt: skip
+    heaviest = imb.get("heaviest_ranks") or []
+    if heaviest:
+        share = f" (the first in {imb['heaviest_share']:.0%} of the steps)" if imb.get("heaviest_share") else ""
+        share = share.replace("the first in", "in") if len(heaviest) == 1 else share
+        parts.append(f"heaviest most often: rank{'s' if len(heaviest) > 1 else ''} {_ranks(heaviest)}{share}")
+    if imb.get("seconds_per_unit") is not None:
+        cost = _per_unit_us(imb["seconds_per_unit"] * 1e6)
+        parts.append(f"one more {_singular(imb['unit'])} costs a healthy rank {cost}")
+    return "; ".join(parts)
+
+
+def _per_unit_us(us: float) -> str:
+    return f"{us / 1000:.3g} ms" if us >= 1000 else f"{us:.3g} µs"
+
+
+def _singular(unit: str) -> str:
+    return unit[:-1] if unit.endswith("s") and len(unit) > 1 else unit
+
+
+def _lost_to(report: dict[str, Any]) -> str:
+    imb = report.get("imbalance")
+    return "stragglers, load imbalance and jitter" if imb and imb.get("detected") else "stragglers and jitter"
 
 
 def context_text(straggler: dict[str, Any]) -> str:
@@ -243,7 +306,33 @@ def render_text(report: dict[str, Any], width: int = 80) -> str:
         )
     if len(rows) > len(shown):
         lines.append(f"  ... {len(rows) - len(shown)} more ranks (flagged and slowest shown; --format json for all)")
+    lines += work_table_lines(report, shown)
     return "\n".join(lines)
+
+
+def work_table_lines(report: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """The work per step and busy time per unit of work of ``rows``, when any rank has them: a table of
+    its own under the per-rank one (together they would not fit 80 columns)."""
+    if not any(r.get("work") is not None or r.get("busy_per_work_us") is not None for r in rows):
+        return []
+    unit = (report.get("imbalance") or {}).get("unit") or "units"
+    one = _singular(unit)
+    lines = ["", f"work per rank (medians; work in {unit} per step, busy µs per {one}):",
+             f"{'rank':>6} {'work/step':>11} {'busy/' + one:>14} {'busy ms':>8} {'vs peers':>8}"]  # fmt: skip
+    for r in rows:
+        lines.append(f"{r['rank']:>6} {_g(r.get('work'), 11)} {_g(r.get('busy_per_work_us'), 14)} "
+                     f"{_f(r['busy_ms'], 8)} {_f(r['slowdown'], 7, 2)}x{' *' if r['flagged'] else ''}")  # fmt: skip
+    return lines
+
+
+def _g(value: float | None, width: int) -> str:
+    """Digits by size, thousands separated (work is tokens or elements, from fractions to millions; and
+    busy time per unit of it from nanoseconds to milliseconds)."""
+    if value is None:
+        return f"{'-':>{width}}"
+    size = abs(value)
+    spec = ",.0f" if size >= 1000 else ".1f" if size >= 10 else ".2f" if size >= 1 else ".3g"
+    return f"{value:>{width}{spec}}"
 
 
 def _f(value: float | None, width: int, digits: int = 1) -> str:

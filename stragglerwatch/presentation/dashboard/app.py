@@ -26,6 +26,9 @@ BANNER = "sw-banner"
 STATUS = "sw-status"
 HEATMAP = "sw-heatmap"
 BREAKDOWN = "sw-breakdown"
+WORK_ROW = "sw-work-row"  # holds WORK and IMBALANCE; shown only for a run that recorded work per step
+WORK = "sw-work"
+IMBALANCE = "sw-imbalance"
 RANK = "sw-rank"
 BAND = "sw-band"
 CONTEXT = "sw-context"
@@ -44,6 +47,7 @@ TABLE_COLUMNS = [
     ("eval_ms", "eval"), ("optimizer_ms", "opt"), ("other_ms", "other"), ("slowdown", "vs peers"),
     ("flagged", "flagged"),
 ]  # fmt: skip
+WORK_GRID = {"display": "grid", "gridTemplateColumns": "minmax(0, 1fr) minmax(0, 1fr)", "gap": "8px"}
 OK_STYLE = {"background": "#eef7ee", "borderLeft": "6px solid #2ca02c", "padding": "8px 14px"}
 ALERT_STYLE = {"background": "#fdecea", "borderLeft": "6px solid #d62728", "padding": "8px 14px"}
 WAIT_STYLE = {"background": "#f3f3f3", "borderLeft": "6px solid #999", "padding": "8px 14px"}
@@ -99,7 +103,18 @@ def banner(snapshot: Snapshot, source_label: str) -> tuple[list[Any], dict[str, 
         children.append(html.Div(f"Last refresh failed (showing earlier data): {snapshot.error}"))
     if alert:
         return children, ALERT_STYLE
-    return children, CAUTION_STYLE if report.get("busy_unavailable") else OK_STYLE
+    imbalanced = bool((report.get("imbalance") or {}).get("detected"))
+    return children, CAUTION_STYLE if report.get("busy_unavailable") or imbalanced else OK_STYLE
+
+
+def table_columns(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The per-rank table's columns: the work ones too when any rank has them."""
+    rows = report["ranks"]
+    if not any(r.get("work") is not None or r.get("busy_per_work_us") is not None for r in rows):
+        return TABLE_COLUMNS
+    unit = (report.get("imbalance") or {}).get("unit") or "units"
+    work = [("work", f"{unit}/step"), ("busy_per_work_us", f"busy µs/{unit.removesuffix('s') or unit}")]
+    return TABLE_COLUMNS[:-2] + work + TABLE_COLUMNS[-2:]
 
 
 def render(snapshot: Snapshot, rank: int | None) -> dict[str, Any]:
@@ -107,6 +122,12 @@ def render(snapshot: Snapshot, rank: int | None) -> dict[str, Any]:
     analysis = snapshot.analysis
     report, mat, verdict = analysis.report, analysis.matrix, analysis.verdict
     revision = str(report.get("run_id"))
+    unit = (report.get("imbalance") or {}).get("unit") or None  # None: the unit of the column shown
+    shown = not snapshot.empty and figures.has_work(mat)
+    if shown:
+        work, balance = figures.work_heatmap(mat, unit, verdict), figures.busy_vs_work(mat, verdict, unit)
+    else:
+        work = balance = figures.empty("no work per step recorded")
     if snapshot.empty:
         blank = figures.empty("no step recorded yet")
         heat = breakdown = band = context = blank
@@ -119,14 +140,16 @@ def render(snapshot: Snapshot, rank: int | None) -> dict[str, Any]:
         context = context_figure(analysis.context, chosen, spans)
         band.update_layout(title="Busy time (ms): step - exposed comm. - eval")  # half width, beside the context
     events = figures.events_timeline(snapshot.events)
-    for fig in (heat, breakdown, band, context, events):
+    for fig in (heat, breakdown, band, context, events, work, balance):
         fig.update_layout(uirevision=revision)
-    rows = [{k: r.get(k) for k, _ in TABLE_COLUMNS} for r in report["ranks"]]
+    columns = table_columns(report)
+    rows = [{k: r.get(k) for k, _ in columns} for r in report["ranks"]]
     for r in rows:
         r["flagged"] = "yes" if r["flagged"] else ""
     options = [{"label": f"rank {r}", "value": int(r)} for r in mat.ranks.tolist()]
     return {"heatmap": heat, "breakdown": breakdown, "band": band, "context": context, "events": events,
-            "rows": rows, "options": options}  # fmt: skip
+            "work": work, "imbalance": balance, "work_style": WORK_GRID if shown else {**WORK_GRID, "display": "none"},
+            "rows": rows, "columns": [{"name": t, "id": k} for k, t in columns], "options": options}  # fmt: skip
 
 
 def create_app(
@@ -158,6 +181,12 @@ def create_app(
             dcc.Graph(id=HEATMAP, **graph),
             dcc.Graph(id=BREAKDOWN, **graph),
             html.Div(
+                [dcc.Graph(id=WORK, responsive=True, **graph), dcc.Graph(id=IMBALANCE, responsive=True, **graph)],
+                id=WORK_ROW,
+                style={**WORK_GRID, "display": "none"},
+            ),  # the work per step per rank, and beside it busy time against work (load imbalance); hidden
+            # until shown, the figures follow their cells' width (responsive) instead of plotly's default
+            html.Div(
                 [html.Label("Rank: "), dcc.Dropdown(id=RANK, clearable=False, style={"width": "220px"})],
                 style={"display": "flex", "alignItems": "center", "gap": "8px"},
             ),  # fmt: skip
@@ -169,7 +198,7 @@ def create_app(
             html.H3("Per rank (medians)"),
             dash_table.DataTable(
                 id=TABLE,
-                columns=[{"name": t, "id": k} for k, t in TABLE_COLUMNS],
+                columns=[{"name": t, "id": k} for k, t in TABLE_COLUMNS],  # the work ones too where recorded
                 data=[],
                 sort_action="native",
                 filter_action="native",
@@ -186,8 +215,9 @@ def create_app(
     @app.callback(
         Output(BANNER, "children"), Output(BANNER, "style"), Output(STATUS, "children"), Output(HEADING, "children"),
         Output(HEATMAP, "figure"), Output(BREAKDOWN, "figure"), Output(BAND, "figure"), Output(CONTEXT, "figure"),
-        Output(EVENTS, "figure"),
-        Output(TABLE, "data"), Output(RANK, "options"), Output(RANK, "value"), Output(SEEN, "data"),
+        Output(EVENTS, "figure"), Output(WORK, "figure"), Output(IMBALANCE, "figure"), Output(WORK_ROW, "style"),
+        Output(TABLE, "data"), Output(TABLE, "columns"), Output(RANK, "options"), Output(RANK, "value"),
+        Output(SEEN, "data"),
         Input(TICK, "n_intervals"), Input(RANK, "value"), Input(URL, "search"), State(SEEN, "data"),
     )  # fmt: skip
     def refresh(_: Any, rank: int | None, search: str | None, seen: dict | None) -> tuple:
@@ -199,14 +229,14 @@ def create_app(
         key = {"version": snap.version, "rank": rank, "error": snap.error, "source": src.label}
         status = f"source {src.label}; refreshed {_ago(snap.refreshed_at)}; {snap.analysis.report['steps']} steps"
         if seen == key:  # nothing new: leave the figures (and the user's zoom) alone
-            return (no_update,) * 2 + (status,) + (no_update,) * 10
+            return (no_update,) * 2 + (status,) + (no_update,) * 14
         if rank is None or (seen or {}).get("source") != src.label:
             rank = default_rank(snap)
         out = render(snap, rank)
         children, style = banner(snap, src.label)
-        return (children, style, status, f"stragglerwatch: {src.label}", out["heatmap"],
-                out["breakdown"], out["band"], out["context"], out["events"], out["rows"], out["options"], rank,
-                {**key, "rank": rank})  # fmt: skip
+        return (children, style, status, f"stragglerwatch: {src.label}", out["heatmap"], out["breakdown"],
+                out["band"], out["context"], out["events"], out["work"], out["imbalance"], out["work_style"],
+                out["rows"], out["columns"], out["options"], rank, {**key, "rank": rank})  # fmt: skip
 
     if runs is not None:
 
@@ -239,10 +269,13 @@ def refused(message: str, status: int, seen: dict | None) -> tuple:
     """What the page shows for a run it will not show: the reason, and nothing of any run."""
     key = {"refused": message}
     if seen == key:
-        return (no_update,) * 13
+        return (no_update,) * 17
     blank = figures.empty("nothing to show")
     style = WAIT_STYLE if status in (404, 503) else ALERT_STYLE
-    return ([html.B(message)], style, "", "stragglerwatch", blank, blank, blank, blank, blank, [], [], None, key)
+    hidden = {**WORK_GRID, "display": "none"}
+    columns = [{"name": t, "id": k} for k, t in TABLE_COLUMNS]
+    return ([html.B(message)], style, "", "stragglerwatch", blank, blank, blank, blank, blank, blank, blank, hidden,
+            [], columns, [], None, key)  # fmt: skip
 
 
 def _ago(t: float) -> str:
