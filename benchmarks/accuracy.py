@@ -25,6 +25,16 @@ the flag), since the detector documents ranks within ``tolerance`` as healthy, n
     python benchmarks/accuracy.py --models --trials 40 --healthy 10
     python benchmarks/accuracy.py --models --model "iid 10%" --model "real runs"
     python benchmarks/accuracy.py --long 1000          # false flags in 1,000 rank-hours per model
+
+``--imbalance``: load imbalance (ranks given different tokens in the same step, ``SimConfig.tokens``)
+under each noise model: variable-length batches without a straggler, with a compute or a data straggler
+hidden in them, token-balanced batches, and a static heavy shard (``IMBALANCE_CASES``). Per row: false
+flags (every flag on a rank that was not slowed, or raised before it was), the straggler found on the
+right rank with the right cause, imbalance detected, and its estimated cost against the simulator's
+true cost (``imbalance_truth``: the job time lost because ranks got unequal work), with the error.
+
+    python benchmarks/accuracy.py --imbalance --trials 5
+    python benchmarks/accuracy.py --imbalance --model "iid 3%" --case "static heavy shard"
 """
 
 from __future__ import annotations
@@ -32,15 +42,24 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import zlib
 from collections import defaultdict
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from stragglerwatch.analysis.detect import Straggler, detect
 from stragglerwatch.analysis.thresholds import DetectConfig
-from stragglerwatch.record.simulate import CAUSE_PHASES, Injection, SimConfig, simulate_arrays, to_frame
+from stragglerwatch.record.simulate import (
+    CAUSE_PHASES,
+    Injection,
+    SimConfig,
+    imbalance_truth,
+    simulate_arrays,
+    to_frame,
+)
 
 BANDS = ((0.05, 0.10), (0.10, 0.20), (0.20, 0.501))
 BASE = {"noise": 0.03, "spike_prob": 0.005, "spike_mag": 1.0}
@@ -59,6 +78,132 @@ NOISE_MODELS = {
     "iid 10%": {"noise": 0.10},
     "real runs": {"noise": 0.0, "spike_prob": 0.0, "bootstrap": REAL},
 }
+
+
+#: Load-imbalance cases: name -> (SimConfig keywords, straggler cause and slowdown or None, what is expected:
+#: imbalance detected or not). 4,096 tokens a rank per step in 8 log-normal sequences, spread 25%; the first,
+#: the same runs without the imbalance model (no work recorded), for the noise model's own false flags.
+TOKENS = {"tokens": 4096.0, "token_cv": 0.25, "token_seqs": 8}
+IMBALANCE_CASES: dict[str, tuple[dict, tuple[str, float] | None, bool]] = {
+    "no work recorded": ({"tokens": 0.0}, None, False),
+    "variable lengths": (TOKENS, None, True),
+    "+ compute straggler 10%": (TOKENS, ("compute", 0.10), True),
+    "+ compute straggler 20%": (TOKENS, ("compute", 0.20), True),
+    "+ data straggler 10%": (TOKENS, ("data", 0.10), True),
+    "+ data straggler 20%": (TOKENS, ("data", 0.20), True),
+    "token-balanced": ({**TOKENS, "token_mode": "balanced"}, None, False),
+    "static heavy shard": ({**TOKENS, "token_cv": 0.05, "token_mode": "static", "heavy_share": 0.2}, None, True),
+}
+#: The cost's error counted as right: within this share of the true cost.
+COST_ERROR = 0.15
+
+
+@dataclass
+class ImbalanceRow:
+    runs: int = 0
+    false_flags: int = 0  # flags on a rank not slowed, or raised before it was
+    drifted_flags: int = 0  # ... of them on a rank that offsets or drift truly made slower than the tolerance
+    found: int = 0  # runs with the straggler flagged on its rank, with its cause
+    found_rank: int = 0  # ... on its rank, any cause
+    detected: int = 0
+    estimated: list[float] = field(default_factory=list)  # the verdict's imbalance cost, seconds
+    true: list[float] = field(default_factory=list)  # the simulator's, seconds
+    true_s: list[float] = field(default_factory=list)  # the true slowdown S from imbalance alone
+
+    def errors(self) -> list[float]:
+        return [e / t - 1.0 if t > 0 else float("nan") for e, t in zip(self.estimated, self.true, strict=True)]
+
+
+def imbalance_seed(seed0: int, model: str, case: str, trial: int) -> int:
+    """A run's seed from the names (a subset of models or cases gives the same figures as a full table)."""
+    words = [seed0, zlib.crc32(model.encode()), zlib.crc32(case.encode()), trial]
+    return int(np.random.SeedSequence(words).generate_state(1)[0])
+
+
+def imbalance_config(ranks: int, steps: int, seed: int, kw: dict, case: str) -> SimConfig:
+    """The simulation of one run of an imbalance case (``IMBALANCE_CASES``) under the noise ``kw``: the
+    straggler's rank, its onset in [50, steps - 100] and the static heavy rank drawn from ``seed``."""
+    sim, straggler, _ = IMBALANCE_CASES[case]
+    rng = np.random.default_rng(seed)
+    injections = []
+    if straggler is not None:
+        cause, slowdown = straggler
+        injections = [Injection(int(rng.integers(ranks)), slowdown, int(rng.integers(50, steps - 100)), cause)]
+    return SimConfig(ranks=ranks, steps=steps, seed=seed, injections=injections, heavy_rank=int(rng.integers(ranks)),
+                     **{**kw, **sim})  # fmt: skip
+
+
+def imbalance_run(cfg: SimConfig, row: ImbalanceRow, level_of: Callable[[SimConfig], np.ndarray | None] | None = None
+                  ) -> None:  # fmt: skip
+    """Detect on ``cfg`` and score the verdict into ``row``; ``level_of``: the true drift of each rank
+    (default :func:`true_level`), to tell the false flags on drifted ranks."""
+    verdict = detect(to_frame(cfg))
+    truth = imbalance_truth(cfg)
+    level, tol = (level_of or true_level)(cfg), DetectConfig().tolerance
+    row.runs += 1
+    slowed = {i.rank: i.onset for i in cfg.injections}
+    for s in verdict.stragglers:
+        if not (s.rank in slowed and s.detected_step >= slowed[s.rank]):
+            row.false_flags += 1
+            row.drifted_flags += drifted(s, level, tol)
+    for inj in cfg.injections:
+        mine = [s for s in verdict.stragglers if s.rank == inj.rank and s.detected_step >= inj.onset]
+        row.found_rank += bool(mine)
+        row.found += any(s.cause == inj.cause for s in mine)
+    found = getattr(verdict, "imbalance", None)
+    row.detected += bool(found is not None and found.detected)
+    row.estimated.append(float(found.lost_seconds or 0.0) if found is not None else float("nan"))
+    row.true.append(truth.lost_seconds if truth is not None else float("nan"))
+    row.true_s.append(truth.slowdown if truth is not None else float("nan"))
+
+
+def imbalance_table(ranks: int, steps: int, trials: int, models: dict[str, dict], cases: list[str],
+                    seed0: int = 50_000) -> dict[tuple[str, str], ImbalanceRow]:  # fmt: skip
+    """Per noise model and imbalance case: flags, straggler found, imbalance detected, cost error."""
+    print(f"{ranks} ranks x {steps} steps (100 ms), {trials} runs per row; {TOKENS['tokens']:.0f} tokens a rank per "
+          f"step in {TOKENS['token_seqs']} log-normal sequences (spread {TOKENS['token_cv']:.0%}); stragglers from a "
+          f"random step in [50, {steps - 100}]; cost right within {COST_ERROR:.0%}")  # fmt: skip
+    print(f"{'noise model':>18} {'case':>24} " + " ".join(f"{h:>{w}}" for h, w in IMBALANCE_HEADER.items()))
+    out = {}
+    for name, kw in models.items():
+        for case in cases:
+            row = ImbalanceRow()
+            for t in range(trials):
+                imbalance_run(imbalance_config(ranks, steps, imbalance_seed(seed0, name, case, t), kw, case), row)
+            out[name, case] = row
+            cells = " ".join(f"{c:>{w}}" for c, w in zip(imbalance_cells(row, case), IMBALANCE_HEADER.values(),
+                                                         strict=True))  # fmt: skip
+            print(f"{name:>18} {case:>24} {cells}", flush=True)
+    return out
+
+
+def imbalance_cells(row: ImbalanceRow, case: str) -> list[str]:
+    """The figures of one row of :func:`imbalance_table` (``IMBALANCE_HEADER``), after its noise model and case."""
+    _, straggler, expected = IMBALANCE_CASES[case]
+    flags = f"{row.false_flags}" + (f" ({row.drifted_flags} dr.)" if row.drifted_flags else "")
+    found = "-"
+    if straggler is not None:
+        found = f"{row.found}/{row.runs}" + (f" ({row.found_rank})" if row.found_rank != row.found else "")
+    known = [t for t in row.true if t == t]
+    cost = f"{statistics.median(row.estimated):.2f} / {statistics.median(known):.2f}" if known else "-"
+    true_s = f"{statistics.median(row.true_s):.3f}" if known else "-"
+    errors = row.errors()
+    err, within = "-", "-"
+    if expected and errors and all(e == e for e in errors):
+        err = f"{statistics.median(errors):+.1%} / {max(errors, key=abs):+.1%}"
+        within = f"{sum(abs(e) <= COST_ERROR for e in errors)}/{row.runs}"
+    return [flags, found, f"{row.detected}/{row.runs}", true_s, cost, err, within]
+
+
+#: The columns of :func:`imbalance_cells`, and their widths in the printed table.
+IMBALANCE_HEADER = {"false flags": 11, "found (cause)": 13, "imbalance": 9, "true S": 6, "est / true s (median)": 21,
+                    "error med / worst": 17, "within": 6}  # fmt: skip
+
+
+#: The noise models of ``--imbalance`` (all of ``NOISE_MODELS`` but the slow drifts, which are about flags
+#: on drifted ranks, not about work).
+IMBALANCE_MODELS = ["iid 3%", "offsets 2%", "heavy tail", "stalls /50", "host 3%", "fast drift", "iid 5%", "iid 10%",
+                    "real runs"]  # fmt: skip
 
 
 def band_of(slowdown: float) -> str:
@@ -92,7 +237,8 @@ def true_level(cfg: SimConfig) -> np.ndarray | None:
     the noise model has neither: then every rank of a straggler-free run is healthy by construction."""
     if not (cfg.offset or cfg.rank_drift):
         return None
-    clean = simulate_arrays(replace(cfg, noise=0.0, drift=0.0, spike_prob=0.0, stall_every=0, injections=[]))
+    clean = simulate_arrays(replace(cfg, noise=0.0, drift=0.0, spike_prob=0.0, stall_every=0, injections=[],
+                                    tokens=0.0))  # fmt: skip
     return clean["busy_s"] / np.median(clean["busy_s"], axis=1, keepdims=True) - 1.0
 
 
@@ -198,16 +344,25 @@ def long_healthy(rank_hours: float, models: list[str], ranks: int = 256, steps: 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
-    p.add_argument("--trials", type=int, default=12, help="runs with stragglers per size (default 12)")
+    p.add_argument("--trials", type=int, help="runs with stragglers per size (default 12; --imbalance: per row, 5)")
     p.add_argument("--healthy", type=int, default=4, help="straggler-free runs per size (default 4)")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--noise", type=float, default=0.03, help="per-step jitter (default 0.03)")
     p.add_argument("--models", action="store_true", help="the per-noise-model table (first of --sizes ranks)")
     p.add_argument("--model", action="append", choices=list(NOISE_MODELS), help="with --models: only these")
+    p.add_argument("--imbalance", action="store_true", help="the load-imbalance table (first of --sizes ranks; "
+                   "--trials: runs per row, default 5)")  # fmt: skip
+    p.add_argument("--case", action="append", choices=list(IMBALANCE_CASES), help="with --imbalance: only these")
     p.add_argument("--long", type=float, metavar="RANK_HOURS",
                    help="false flags on long straggler-free runs (256 ranks x 10,000 steps), this many rank-hours "
                    "per noise model (of --model, default all)")  # fmt: skip
     args = p.parse_args()
+    if args.imbalance:
+        models = {m: {**BASE, **NOISE_MODELS[m]} for m in args.model or IMBALANCE_MODELS}
+        imbalance_table(args.sizes[0] if args.sizes != [64, 256, 1024, 4096] else 64, args.steps, args.trials or 5,
+                        models, args.case or list(IMBALANCE_CASES))  # fmt: skip
+        return
+    args.trials = 12 if args.trials is None else args.trials
     if args.long:
         long_healthy(args.long, args.model or list(NOISE_MODELS))
         return

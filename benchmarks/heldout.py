@@ -17,15 +17,18 @@ on what it never saw:
 - ``--part drift``: long straggler-free runs under slow drift (of ranks, of hosts): every flag is
   counted, with the true drift of the flagged rank beside it;
 - ``--part real``: the traces' own per-step series, and runs of this machine with a real injected
-  straggler (``data/heldout-injected.parquet``), fed to the detector as they are.
+  straggler (``data/heldout-injected.parquet``), fed to the detector as they are;
+- ``--part imbalance``: the load-imbalance cases of ``benchmarks/accuracy.py`` (``IMBALANCE_CASES``:
+  ranks given unequal tokens, with and without a straggler hidden in them) under the held-out noise.
 
 A flag counts as matched when its rank was slowed at its detection step or at most ``LAG`` steps
 before; every other flag is false, whatever the rank's drift. Runs are seeded from ``--seed``,
 the part, the source and the trial, so a subset (``--source``) gives the same figures as a full run.
 
-    python benchmarks/heldout.py                       # every part (5-7 minutes on 2 cores)
+    python benchmarks/heldout.py                       # every part (8-10 minutes on 2 cores)
     python benchmarks/heldout.py --part noise --source "trace SE" --trials 40
     python benchmarks/heldout.py --quick               # a smoke run of every part (under a minute)
+    python benchmarks/heldout.py --part imbalance --imbalance-trials 5
     python benchmarks/heldout.py --derive-traces benchmarks/data   # rewrite data/trace-residuals-*.csv
     python benchmarks/heldout.py --pack RUN_DIR... --out benchmarks/data/heldout-injected.parquet
 """
@@ -42,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from accuracy import IMBALANCE_CASES, IMBALANCE_HEADER, ImbalanceRow, imbalance_cells, imbalance_config, imbalance_run
 
 from stragglerwatch.analysis.detect import MATRIX_COLUMNS, Straggler, Verdict, detect, to_matrix
 from stragglerwatch.analysis.thresholds import DetectConfig
@@ -145,7 +149,7 @@ def true_level(cfg: SimConfig) -> np.ndarray | None:
     if not (cfg.offset or cfg.rank_drift or cfg.host_drift):
         return None
     clean = simulate_arrays(replace(cfg, noise=0.0, drift=0.0, spike_prob=0.0, stall_every=0, injections=[],
-                                    bootstrap="", bimodal_prob=0.0))  # fmt: skip
+                                    bootstrap="", bimodal_prob=0.0, tokens=0.0))  # fmt: skip
     return clean["busy_s"] / np.median(clean["busy_s"], axis=1, keepdims=True) - 1.0
 
 
@@ -482,17 +486,35 @@ def real_part(args: argparse.Namespace) -> None:
     print()
 
 
+def imbalance_part(args: argparse.Namespace) -> None:
+    names = args.source or list(SOURCES)
+    print(f"### Load imbalance under held-out noise ({args.ranks} ranks x {args.steps} steps, "
+          f"{args.imbalance_trials} runs per row)\n")  # fmt: skip
+    print("| noise | case | " + " | ".join(IMBALANCE_HEADER) + " |")
+    print("|---" * (2 + len(IMBALANCE_HEADER)) + "|")
+    for name in names:
+        for case in IMBALANCE_CASES:
+            row = ImbalanceRow()
+            for t in range(args.imbalance_trials):
+                seed = seed_of(args.seed, "imbalance", name, case, t)
+                imbalance_run(imbalance_config(args.ranks, args.steps, seed, SOURCES[name], case), row, true_level)
+            print(f"| {name} | {case} | " + " | ".join(imbalance_cells(row, case)) + " |", flush=True)
+    print()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", action="append", choices=["noise", "kinds", "drift", "real"],
+    p.add_argument("--part", action="append", choices=["noise", "kinds", "drift", "real", "imbalance"],
                    help="only these parts (default: all)")  # fmt: skip
-    p.add_argument("--source", action="append", choices=list(SOURCES), help="with --part noise: only these")
+    p.add_argument("--source", action="append", choices=list(SOURCES),
+                   help="with --part noise or imbalance: only these")  # fmt: skip
     p.add_argument("--bootstrap", action="append", default=[], metavar="CSV",
                    help="with --part noise: also resample this CSV (as record_noise.py writes it)")  # fmt: skip
     p.add_argument("--block", type=int, default=25, help="steps per resampled block of --bootstrap (default 25)")
     p.add_argument("--kind", action="append", choices=list(KINDS), help="with --part kinds: only these")
     p.add_argument("--kind-noise", choices=list(SOURCES), help="with --part kinds: this noise (default: base)")
     p.add_argument("--trials", type=int, default=40, help="runs per slowdown per source or kind (default 40)")
+    p.add_argument("--imbalance-trials", type=int, default=5, help="runs per row of --part imbalance (default 5)")
     p.add_argument("--healthy", type=int, default=10, help="straggler-free runs per source (default 10)")
     p.add_argument("--healthy-steps", type=int, default=4000, help="steps of each (default 4000)")
     p.add_argument("--ranks", type=int, default=64)
@@ -523,8 +545,8 @@ def main() -> None:
     for f in args.bootstrap:
         SOURCES[f"file {Path(f).name}"] = {**REAL, "bootstrap": str(f), "bootstrap_block": args.block}
     if args.quick:
-        args.trials, args.healthy, args.healthy_steps, args.rank_hours = 3, 1, 1000, 20
-    parts = args.part or ["noise", "kinds", "drift", "real"]
+        args.trials, args.healthy, args.healthy_steps, args.rank_hours, args.imbalance_trials = 3, 1, 1000, 20, 1
+    parts = args.part or ["noise", "kinds", "drift", "real", "imbalance"]
     t0, all_causes = time.perf_counter(), []
     if "noise" in parts:
         noise_part(args, all_causes)
@@ -536,6 +558,8 @@ def main() -> None:
         drift_part(args)
     if "real" in parts:
         real_part(args)
+    if "imbalance" in parts:
+        imbalance_part(args)
     print(f"({time.perf_counter() - t0:.0f} s)")
 
 

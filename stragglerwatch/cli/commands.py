@@ -152,6 +152,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         injections=injections, groups=args.groups, offset=args.offset, spike_tail=args.spike_tail,
         stall_every=args.stall_every, stall_mag=args.stall_mag, host_noise=args.host_noise,
         rank_drift=args.rank_drift, drift_steps=args.drift_steps, bootstrap=args.bootstrap or "",
+        tokens=args.tokens, token_cv=args.token_cv, token_seqs=args.token_seqs, token_mode=args.token_mode,
+        heavy_rank=args.heavy_rank, heavy_share=args.heavy_share, token_share=args.token_share,
+        attn_share=args.attn_share,
     )  # fmt: skip
     try:
         write_run(out, cfg, progress=Progress("writing ranks"))
@@ -159,6 +162,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"stragglerwatch: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.ranks} ranks x {args.steps} steps to {out}", file=sys.stderr)
+    truth = json.loads((out / "run.json").read_text())["simulation"].get("imbalance_truth")
+    if truth:
+        print(f"true imbalance cost: {truth['lost_seconds']:.2f} s of {truth['job_seconds']:.2f} s "
+              f"(S = {truth['slowdown']:.3f} from the unequal work alone)", file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -355,6 +362,28 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         metavar="CSV",
         help="resample per-step noise from real healthy runs (as benchmarks/record_noise.py writes)",
     )
+    work = p.add_argument_group(
+        "load imbalance (off by default)",
+        "ranks given different work in the same step (variable-length sequences): each rank draws a batch of "
+        "sequences of log-normal lengths every step; the record carries the tokens as its work, and run.json "
+        "the true cost of the unequal work",
+    )
+    work.add_argument("--tokens", type=float, default=0.0,
+                      help="mean tokens per rank per step (e.g. 4096); 0: no imbalance, no work recorded")  # fmt: skip
+    work.add_argument("--token-cv", type=float, default=0.25,
+                      help="spread of a rank's tokens per step: coefficient of variation (default 0.25)")  # fmt: skip
+    work.add_argument("--token-seqs", type=int, default=8, help="sequences per rank per step (default 8)")
+    work.add_argument("--token-mode", choices=["variable", "balanced", "static"], default="variable",
+                      help="variable: each rank draws its own batch (a different rank heaviest each step); "
+                      "balanced: every rank the step's token count (token-based batching); static: as variable, "
+                      "with one rank's shard always heavier (default variable)")  # fmt: skip
+    work.add_argument("--heavy-rank", type=int, default=0, help="with --token-mode static: the heavy rank (default 0)")
+    work.add_argument("--heavy-share", type=float, default=0.2,
+                      help="with --token-mode static: its sequences this much longer (default 0.2 = 20%%)")  # fmt: skip
+    work.add_argument("--token-share", type=float, default=0.8,
+                      help="share of forward + backward growing with the tokens at the mean (default 0.8)")  # fmt: skip
+    work.add_argument("--attn-share", type=float, default=0.0,
+                      help="of that, the part quadratic in the sequence lengths, as attention (default 0)")  # fmt: skip
     p.add_argument("--force", action="store_true", help="overwrite an existing run in OUT_DIR")
     p.set_defaults(func=cmd_simulate)
 

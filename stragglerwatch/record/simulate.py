@@ -12,6 +12,15 @@ off by default: two-mode steps, slow drift shared by a host's ranks, stragglers 
 between ranks, and excess split between phases as real causes mix. The all-reduce barrier makes every
 rank's step the busiest rank's busy time plus the transfer time, so each rank's
 exposed wait is ``step - busy`` — the same arithmetic as a real run.
+
+Load imbalance (``tokens`` > 0, off by default): each rank draws its own batch every step, a few
+sequences of log-normal lengths, so a different rank is the heaviest each step (``token_mode``
+"variable"); or every rank gets the step's token count ("balanced", token-based dynamic batches);
+or one rank's shard is always heavier ("static"). Forward and backward grow with the tokens
+(``token_share`` of them at the mean, linearly, ``attn_share`` of that quadratically in the
+sequence lengths); the record carries ``work`` (tokens) and ``work_unit`` "tokens". A compute
+straggler is slower for the same work (its excess grows with its tokens); a data straggler waits
+as long whatever its batch. :func:`imbalance_truth` gives the time the unequal work truly cost.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stragglerwatch.record.rundir import RunInfo, write_json_atomic
-from stragglerwatch.record.schema import GAP_COLUMNS, SCHEMA_VERSION, STEP_SCHEMA
+from stragglerwatch.record.schema import SCHEMA_VERSION, STEP_SCHEMA
 
 PHASE_SHARES = {"data_wait_s": 0.05, "forward_s": 0.30, "backward_s": 0.55, "optimizer_s": 0.05, "other_s": 0.05}
 CAUSE_PHASES = {"compute": ("forward_s", "backward_s"), "data": ("data_wait_s",),
@@ -138,6 +147,15 @@ class SimConfig:
     bimodal_hold: int = 1  # mean run of slow-mode steps (1: independent per step; > 1: a two-state Markov chain)
     host_drift: float = 0.0  # slow drift shared by a host's ranks (mean-reverting, log scale): its sd
     host_drift_steps: int = 3000  # ... and its correlation time in steps
+    # load imbalance, off by default (drawn from generators of its own: the above stay as they were)
+    tokens: float = 0.0  # mean tokens per rank per step; 0: no imbalance model, no work recorded
+    token_cv: float = 0.25  # spread of a rank's tokens per step: their coefficient of variation
+    token_seqs: int = 8  # sequences per rank per step (log-normal lengths)
+    token_mode: str = "variable"  # "variable", "balanced" (same tokens on every rank) or "static" (a heavy shard)
+    heavy_rank: int = 0  # with "static": the rank whose sequences are always longer ...
+    heavy_share: float = 0.2  # ... by this much (0.2 = 20% more tokens)
+    token_share: float = 0.8  # share of forward + backward that grows with the tokens (at the mean); the rest is fixed
+    attn_share: float = 0.0  # of that share, the part quadratic in the sequence lengths (attention)
 
 
 @dataclass
@@ -148,11 +166,27 @@ class JobSteps:
     drift: np.ndarray
     comm: np.ndarray
     peak: np.ndarray
+    tokens: np.ndarray | None = None  # with ``token_mode`` "balanced": every rank's tokens at each step
 
 
 def simulate_arrays(cfg: SimConfig, job: JobSteps | None = None) -> dict[str, np.ndarray]:
     """Steps x ranks arrays of every column of the step log: every phase, ``busy_s``, ``step_s``
-    and ``comm_wait_s`` (here the gradient all-reduce's, the only collective simulated)."""
+    and ``comm_wait_s`` (here the gradient all-reduce's, the only collective simulated); with the
+    imbalance model on, ``work`` too (tokens)."""
+    work = draw_work(cfg, job)
+    out = _simulate(cfg, job, None if work is None else work[1])
+    if work is not None:
+        out["work"] = work[0]
+    return out
+
+
+COMPUTE = ("forward_s", "backward_s")  # the phases that grow with a rank's work
+WORK_UNIT = "tokens"  # the unit of the simulated work
+
+
+def _simulate(cfg: SimConfig, job: JobSteps | None, load: np.ndarray | None) -> dict[str, np.ndarray]:
+    """The arrays of :func:`simulate_arrays` with each rank's compute scaled by ``load`` (steps x
+    ranks; None: 1): every random draw is the same whatever ``load`` is."""
     rng = np.random.default_rng(cfg.seed)
     shape = (cfg.steps, cfg.ranks)
     base = cfg.step_ms / 1000.0
@@ -160,6 +194,9 @@ def simulate_arrays(cfg: SimConfig, job: JobSteps | None = None) -> dict[str, np
     drift = np.exp(cfg.drift * rng.standard_normal(cfg.steps))
     scale *= (job.drift if job else drift)[:, None]
     out = {col: base * share * scale for col, share in PHASE_SHARES.items()}
+    if load is not None:
+        for col in COMPUTE:
+            out[col] *= load
     spikes = rng.random(shape, dtype=np.float32) < cfg.spike_prob
     out["other_s"] += spikes * (cfg.spike_mag * base)
     _realistic_noise(cfg, out, spikes, base)
@@ -168,12 +205,15 @@ def simulate_arrays(cfg: SimConfig, job: JobSteps | None = None) -> dict[str, np
         if not 0 <= inj.rank < cfg.ranks:
             raise ValueError(f"straggler rank {inj.rank} outside 0..{cfg.ranks - 1}")
         if not inj.plain():
-            _inject(inj, out, cfg.ranks, base)
+            _inject(inj, out, cfg.ranks, base, load)
             continue
         rows = slice(max(0, inj.onset), inj.end)
         phases = CAUSE_PHASES[inj.cause]
         for col in phases:
-            out[col][rows, inj.rank] += inj.slowdown * base * PHASE_SHARES[col] / sum(PHASE_SHARES[c] for c in phases)
+            add = inj.slowdown * base * PHASE_SHARES[col] / sum(PHASE_SHARES[c] for c in phases)
+            if load is not None and col in COMPUTE:  # slower for the same work: the excess grows with the work
+                add = add * load[rows, inj.rank]
+            out[col][rows, inj.rank] += add
     busy = sum(out[c] for c in PHASE_SHARES)
     comm = cfg.comm_ms / 1000.0 * np.exp(cfg.noise * rng.standard_normal(cfg.steps))
     step = np.maximum(busy.max(axis=1), job.peak) + job.comm if job else busy.max(axis=1) + comm
@@ -186,7 +226,8 @@ def simulate_arrays(cfg: SimConfig, job: JobSteps | None = None) -> dict[str, np
     return out
 
 
-def _inject(inj: Injection, out: dict[str, np.ndarray], ranks: int, base: float) -> None:
+def _inject(inj: Injection, out: dict[str, np.ndarray], ranks: int, base: float, load: np.ndarray | None = None
+            ) -> None:  # fmt: skip
     """An injection with held-out options (mixed phases, on-off, moving), in place."""
     steps = len(out["other_s"])
     shares = inj.shares()
@@ -195,7 +236,129 @@ def _inject(inj: Injection, out: dict[str, np.ndarray], ranks: int, base: float)
             raise ValueError(f"straggler rank {part.rank} outside 0..{ranks - 1}")
         on = part.active(steps)
         for col, share in shares.items():
-            out[col][on, part.rank] += inj.slowdown * base * share
+            add = inj.slowdown * base * share
+            out[col][on, part.rank] += add * load[on, part.rank] if load is not None and col in COMPUTE else add
+
+
+TOKEN_MODES = ("variable", "balanced", "static")
+
+
+def _check_work(cfg: SimConfig, whole: bool = True) -> None:
+    """The imbalance options make sense (``whole``: ``cfg`` is the whole job, not a block of its ranks)."""
+    if cfg.token_mode not in TOKEN_MODES:
+        raise ValueError(f"token mode {cfg.token_mode!r}: one of {', '.join(TOKEN_MODES)}")
+    if not (cfg.tokens >= 0 and cfg.token_cv >= 0 and cfg.token_seqs >= 1 and cfg.heavy_share > -1):
+        raise ValueError("tokens and token spread must be >= 0, sequences >= 1, heavy share > -1")
+    if not (0 <= cfg.token_share <= 1 and 0 <= cfg.attn_share <= 1):
+        raise ValueError("token share and attention share must lie in [0, 1]")
+    if whole and cfg.token_mode == "static" and not 0 <= cfg.heavy_rank < cfg.ranks:
+        raise ValueError(f"heavy rank {cfg.heavy_rank} outside 0..{cfg.ranks - 1}")
+
+
+def _lengths(rng: np.random.Generator, cfg: SimConfig, shape: tuple[int, ...]) -> np.ndarray:
+    """One sequence's length (in tokens, not yet rounded) per cell of ``shape``: log-normal, of mean
+    ``tokens / token_seqs`` and of a spread that makes the sum of ``token_seqs`` of them spread by ``token_cv``."""
+    n = max(1, cfg.token_seqs)
+    sigma2 = float(np.log1p(cfg.token_cv**2 * n))
+    draw = rng.standard_normal(shape, dtype=np.float32).astype(np.float64)
+    return np.exp(np.sqrt(sigma2) * draw - sigma2 / 2) * (cfg.tokens / n)
+
+
+def balanced_tokens(cfg: SimConfig) -> np.ndarray | None:
+    """With ``token_mode`` "balanced": the job's tokens per rank at each step (one batch's worth of
+    sequences, the same on every rank); else None."""
+    if not cfg.tokens or cfg.token_mode != "balanced":
+        return None
+    rng = np.random.default_rng([cfg.seed, 6])
+    return np.maximum(1.0, np.rint(_lengths(rng, cfg, (cfg.steps, max(1, cfg.token_seqs))))).sum(axis=1)
+
+
+def draw_work(cfg: SimConfig, job: JobSteps | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Steps x ranks tokens and compute load (a rank's forward + backward over what they take at the
+    mean batch, before noise), or None with the imbalance model off (``tokens`` 0)."""
+    if not cfg.tokens:
+        return None
+    _check_work(cfg, whole=job is None)
+    rng = np.random.default_rng([cfg.seed, 5])
+    shape, n = (cfg.steps, cfg.ranks), max(1, cfg.token_seqs)
+    tokens, squares = np.zeros(shape), np.zeros(shape)
+    for _ in range(n):
+        length = _lengths(rng, cfg, shape)
+        if cfg.token_mode == "static" and 0 <= cfg.heavy_rank < cfg.ranks:
+            length[:, cfg.heavy_rank] *= 1.0 + cfg.heavy_share
+        length = np.maximum(1.0, np.rint(length))
+        tokens += length
+        squares += length**2
+    if cfg.token_mode == "balanced":  # every rank's sequences cut or padded to the step's token count
+        step_tokens = job.tokens if job is not None and job.tokens is not None else balanced_tokens(cfg)
+        ratio = step_tokens[:, None] / tokens  # type: ignore[index]
+        tokens, squares = np.broadcast_to(step_tokens[:, None], shape).astype(float), squares * ratio**2  # type: ignore[index]
+    mean_len = cfg.tokens / n
+    mean_squares = n * mean_len**2 * (1.0 + cfg.token_cv**2 * n)  # E[sum of squared lengths]
+    work = (1.0 - cfg.attn_share) * tokens / cfg.tokens + cfg.attn_share * squares / mean_squares
+    return tokens, (1.0 - cfg.token_share) + cfg.token_share * work
+
+
+@dataclass
+class ImbalanceTruth:
+    """What unequal work truly cost a simulated job: each step as simulated, and as it would have
+    been had every rank of a peer group been given the group's mean work of the step (its tokens
+    and its attention cost alike), with the same noise and stragglers."""
+
+    step_s: np.ndarray  # per step, as simulated
+    balanced_step_s: np.ndarray  # per step, with the work spread evenly
+
+    @property
+    def lost_seconds(self) -> float:
+        """Job time lost to the imbalance: sum over steps of (step as simulated - step balanced)."""
+        return float((self.step_s - self.balanced_step_s).sum())
+
+    @property
+    def slowdown(self) -> float:
+        """S caused by the imbalance alone: job time over job time with the work balanced."""
+        return float(self.step_s.sum() / self.balanced_step_s.sum())
+
+    def to_dict(self) -> dict:
+        job, balanced = float(self.step_s.sum()), float(self.balanced_step_s.sum())
+        return {"lost_seconds": self.lost_seconds, "slowdown": self.slowdown, "job_seconds": job,
+                "balanced_seconds": balanced}  # fmt: skip
+
+
+def _spread_evenly(load: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """Each rank's load replaced by the mean load of its peer group (``group``: each rank's) at that step."""
+    out = np.empty_like(load)
+    for g in np.unique(group):
+        cols = group == g
+        out[:, cols] = load[:, cols].mean(axis=1, keepdims=True)
+    return out
+
+
+def imbalance_truth(cfg: SimConfig, job: JobSteps | None = None) -> ImbalanceTruth | None:
+    """The imbalance's true cost (the truth :func:`injected` is for stragglers), or None with the
+    imbalance model off. Peer groups (``groups``) each balance their own work. ``job``: the job's
+    shared steps when already computed (a run simulated a block of ranks at a time)."""
+    if not cfg.tokens:
+        return None
+    group = np.arange(cfg.ranks) * max(1, cfg.groups) // cfg.ranks
+    blocks = _rank_blocks(cfg)
+    if len(blocks) == 1:
+        _, load = draw_work(cfg)  # type: ignore[misc]
+        actual = _simulate(cfg, None, load)["step_s"][:, 0]
+        return ImbalanceTruth(actual, _simulate(cfg, None, _spread_evenly(load, group))["step_s"][:, 0])
+    job = job or _job_steps(cfg, blocks)
+    groups = int(group.max()) + 1
+    sums = np.zeros((cfg.steps, groups))
+    for lo, size in blocks.items():  # the groups' mean loads, over every block
+        _, load = draw_work(_block_config(cfg, lo, size), job)  # type: ignore[misc]
+        for g in np.unique(group[lo : lo + size]):
+            sums[:, g] += load[:, group[lo : lo + size] == g].sum(axis=1)
+    mean = sums / np.bincount(group, minlength=groups)
+    peak = np.zeros(cfg.steps)
+    alone = replace(job, peak=np.zeros(cfg.steps))
+    for lo, size in blocks.items():
+        even = mean[:, group[lo : lo + size]]
+        peak = np.maximum(peak, _simulate(_block_config(cfg, lo, size), alone, even)["busy_s"].max(axis=1))
+    return ImbalanceTruth(job.peak + job.comm, peak + job.comm)
 
 
 def injected(cfg: SimConfig) -> np.ndarray:
@@ -326,6 +489,8 @@ def to_frame(cfg: SimConfig, arrays: dict[str, np.ndarray] | None = None) -> pd.
     frame = pd.DataFrame({"rank": ranks.ravel(), "step": steps.ravel()})
     for col, values in arrays.items():
         frame[col] = values.ravel()
+    if "work" in arrays:
+        frame["work_unit"] = WORK_UNIT
     frame["world_size"] = cfg.ranks
     return frame
 
@@ -347,7 +512,8 @@ def _block_config(cfg: SimConfig, lo: int, size: int) -> SimConfig:
     """The simulation of ranks ``lo:lo+size``: its own noise, the job's stragglers among them."""
     parts = [p for i in cfg.injections for p in (i.expand(cfg.steps) if not i.plain() else [i])]
     injections = [replace(i, rank=i.rank - lo) for i in parts if lo <= i.rank < lo + size]
-    return replace(cfg, ranks=size, seed=cfg.seed * 1_000_003 + lo + 1, injections=injections)
+    return replace(cfg, ranks=size, seed=cfg.seed * 1_000_003 + lo + 1, injections=injections,
+                   heavy_rank=cfg.heavy_rank - lo)  # fmt: skip
 
 
 def _job_steps(cfg: SimConfig, blocks: dict[int, int]) -> JobSteps:
@@ -356,10 +522,12 @@ def _job_steps(cfg: SimConfig, blocks: dict[int, int]) -> JobSteps:
     for injection in (p for i in cfg.injections for p in i.expand(cfg.steps)):
         if not 0 <= injection.rank < cfg.ranks:
             raise ValueError(f"straggler rank {injection.rank} outside 0..{cfg.ranks - 1}")
+    if cfg.tokens:
+        _check_work(cfg)
     rng = np.random.default_rng([cfg.seed, 2])
     job = JobSteps(np.exp(cfg.drift * rng.standard_normal(cfg.steps)),
                    cfg.comm_ms / 1000.0 * np.exp(cfg.noise * rng.standard_normal(cfg.steps)),
-                   np.zeros(cfg.steps))  # fmt: skip
+                   np.zeros(cfg.steps), balanced_tokens(cfg))  # fmt: skip
     for lo, size in blocks.items():
         job.peak = np.maximum(job.peak, simulate_arrays(_block_config(cfg, lo, size), job)["busy_s"].max(axis=1))
     return job
@@ -384,14 +552,20 @@ def rank_table(arrays: dict[str, np.ndarray], rank: int, column: int, start_time
     }
     for col, values in arrays.items():
         columns[col] = pa.array(np.ascontiguousarray(values[:, column]))
-    for col in GAP_COLUMNS:  # a simulation does not say where its untimed time lay
-        columns.setdefault(col, pa.array(np.full(n, np.nan)))
+    if "work_unit" in STEP_SCHEMA.names:
+        columns["work_unit"] = pa.repeat(pa.scalar(WORK_UNIT if "work" in arrays else ""), n)
+    for f in STEP_SCHEMA:  # what a simulation does not model (where its untimed time lay, the batches'
+        if f.name not in columns and pa.types.is_floating(f.type):  # shapes; work with the model off): NaN
+            columns[f.name] = pa.array(np.full(n, np.nan))
     return pa.Table.from_pydict({f.name: columns[f.name] for f in STEP_SCHEMA}, schema=STEP_SCHEMA)
 
 
 #: Options added for held-out evaluation: left out of run.json while at their defaults (as before them).
 _HELDOUT_SIM = {"bimodal_prob": 0.0, "bimodal_mag": 0.3, "bimodal_hold": 1, "host_drift": 0.0, "host_drift_steps": 3000}
 _HELDOUT_INJ = {"mix": None, "period": 0, "duty": 0, "moves": (), "move_every": 0}
+#: The imbalance model's options: left out of run.json while it is off.
+_IMBALANCE_FIELDS = ("tokens", "token_cv", "token_seqs", "token_mode", "heavy_rank", "heavy_share", "token_share",
+                     "attn_share")  # fmt: skip
 
 
 def _as_recorded(cfg: SimConfig) -> dict:
@@ -401,6 +575,8 @@ def _as_recorded(cfg: SimConfig) -> dict:
         return {k: v for k, v in d.items() if k not in defaults or v != defaults[k]}
 
     sim = trim(asdict(cfg), _HELDOUT_SIM)
+    if not cfg.tokens:
+        sim = {k: v for k, v in sim.items() if k not in _IMBALANCE_FIELDS}
     sim["injections"] = [trim(i, _HELDOUT_INJ) for i in sim["injections"]]
     return sim
 
@@ -417,6 +593,9 @@ def write_run(out_dir: str | Path, cfg: SimConfig, progress: Callable[[int, int]
     start_time = t0 + np.concatenate(([0.0], np.cumsum(step[:-1])))
     run_id = f"sim-{out.resolve().name}"
     sim = _as_recorded(cfg)
+    truth = imbalance_truth(cfg, job)
+    if truth is not None:  # the straggler's truth is its injection; the imbalance's is its cost
+        sim["imbalance_truth"] = truth.to_dict()
     write_json_atomic(
         out / "run.json",
         {"run_id": run_id, "world_size": cfg.ranks, "created": time.time(), "schema": "stragglerwatch-run",
