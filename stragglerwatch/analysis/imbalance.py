@@ -204,6 +204,10 @@ def fit(values: dict[str, np.ndarray], groups: Groups, healthy: np.ndarray | Non
         if len(idx) < 2:
             continue
         ok, wg = ok_all[:, idx], w[:, idx]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            if not np.any(np.nanmax(np.where(ok, wg, np.nan), axis=1) > np.nanmin(np.where(ok, wg, np.nan), axis=1)):
+                continue  # the same work on every rank of every step: nothing to fit, no imbalance
         group_static = _is_static(wg, ok)
         static |= group_static
         chosen = idx if healthy is None else [j for j in idx if healthy[j]] or list(idx)
