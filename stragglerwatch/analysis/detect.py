@@ -21,8 +21,8 @@ Design (DESIGN.md, "Peers, consistency, cause, cost"):
 8. Load imbalance (``imbalance.py``): where the records carry the work of each step, steps 2-6 run on
    work-adjusted times (what each rank would have taken for the step's median work), so a rank is
    judged by its time per unit of work, never by the batches it drew; the imbalance's own cost is
-   the verdict's ``imbalance``. The slopes are fitted again without the flagged ranks, and the
-   flags found again, once a first pass has flagged any.
+   the verdict's ``imbalance``, and, once detected, part of the job's time lost. The slopes are
+   fitted again without the flagged ranks, and the flags found again, once a first pass flagged any.
 """
 
 from __future__ import annotations
@@ -210,8 +210,11 @@ def detect(
     slowdown = busy / health.ref_h[:, g.index] if busy.size else np.zeros(busy.shape)
     result = verdict(mat.ranks, mat.steps, found, stats, health, g, cfg, thresholds, slowdown, flags)
     if model is not None:
-        result.imbalance = imb.assess(raw, model, g, flags.any(axis=0), mat.ranks, result.job_seconds,
-                                      cfg.imbalance_min_slowdown, unit)  # fmt: skip
+        im = result.imbalance = imb.assess(raw, model, g, flags.any(axis=0), mat.ranks, result.job_seconds,
+                                           cfg.imbalance_min_slowdown, unit)  # fmt: skip
+        if im.detected and im.lost_seconds:  # the job's ideal has neither stragglers nor unequal work
+            result.lost_seconds = min(result.job_seconds, result.lost_seconds + im.lost_seconds)
+            result.ideal_seconds = result.job_seconds - result.lost_seconds
     return result
 
 

@@ -68,6 +68,7 @@ class Imbalance:
     heaviest_share: float | None = None  # of the steps, for the first of ``heaviest_ranks``
     phase_seconds_per_unit: dict[str, float] = field(default_factory=dict)  # healthy slope of each phase
     column: str = "work"  # the record's column fitted: ``work``, or ``work_elements`` (the padded shape)
+    varies: bool = True  # the work differs between ranks or steps (False: the same batch every time)
     note: str | None = None
 
     def to_dict(self) -> dict:
@@ -278,7 +279,8 @@ def assess(values: dict[str, np.ndarray], model: WorkModel, groups: Groups, flag
     return Imbalance(unit=unit, steps=model.steps, detected=bool(detected), lost_seconds=lost,
                      slowdown=slowdown, explained=explained, seconds_per_unit=per_unit, work_spread=spread,
                      heaviest_ranks=heaviest, heaviest_share=share, phase_seconds_per_unit=phases,
-                     column="work_elements" if "work_basis" in values else "work")  # fmt: skip
+                     column="work_elements" if "work_basis" in values else "work",
+                     varies=bool(ok.any() and np.nanmax(w[ok]) > np.nanmin(w[ok])))  # fmt: skip
 
 
 def _even_busy(busy: np.ndarray, w: np.ndarray, mean_w: np.ndarray, slope: np.ndarray, ok: np.ndarray

@@ -185,7 +185,8 @@ def imbalance_entry(im: Imbalance, world: int) -> ImbalanceEntry:
         lost_gpu_seconds=_num(im.lost_seconds * world, 3) if im.lost_seconds is not None else None,
         slowdown=_num(im.slowdown, 4), explained=_num(im.explained, 4), seconds_per_unit=_num(im.seconds_per_unit, 12),
         work_spread=_num(im.work_spread, 4), heaviest_ranks=im.heaviest_ranks,
-        heaviest_share=_num(im.heaviest_share, 4), phase_seconds_per_unit=phases, hints=imbalance_advice(im),
+        heaviest_share=_num(im.heaviest_share, 4), varies=im.varies, phase_seconds_per_unit=phases,
+        hints=imbalance_advice(im),
         note=im.note,
     )  # fmt: skip
 

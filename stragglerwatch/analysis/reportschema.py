@@ -98,6 +98,7 @@ class ImbalanceEntry:
     work_spread: float | None  # median over steps of (heaviest - mean) / mean work of a step
     heaviest_ranks: list[int] = field(default_factory=list)  # ranks that drew the heaviest work most often
     heaviest_share: float | None = None  # of the steps, for the first of ``heaviest_ranks``
+    varies: bool = True  # the work differs between ranks or steps (False: the same batch every time)
     phase_seconds_per_unit: dict[str, float] = field(default_factory=dict)  # per phase: healthy seconds per unit
     hints: list[str] = field(default_factory=list)  # what to try, from what was measured
     note: str | None = None  # why a figure is missing

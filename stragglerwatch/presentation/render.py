@@ -53,11 +53,12 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
     elif stragglers:
         n = len(stragglers)
         lines.append(f"{n} straggler{'s' if n > 1 else ''}:")
+        same = " for the same work" if (report.get("imbalance") or {}).get("detected") else ""
         for s in stragglers:
             excess = s["excess_ms"].get(s["cause"], 0.0)
             where = f"{s['where']}, " if s.get("where") else ""
             lines.append(
-                f"  rank {s['rank']} is {s['slowdown']:.2f}x as busy as its peers {_steps(s)}; "
+                f"  rank {s['rank']} is {s['slowdown']:.2f}x as busy as its peers{same} {_steps(s)}; "
                 f"cause: {s['cause']} ({where}+{excess:.1f} ms/step); cost {_duration(s['lost_seconds'])} "
                 f"({s['lost_gpu_seconds']:.0f} GPU-s)"
             )
@@ -106,6 +107,8 @@ def imbalance_lines(report: dict[str, Any]) -> list[str]:
         return []
     unit = imb["unit"]
     if not imb["detected"]:
+        if not imb.get("varies", True) and not imb.get("note"):
+            return []  # the same work on every rank in every step: nothing to say
         s = f" (S {imb['slowdown']:.2f}x)" if imb.get("slowdown") is not None else ""
         note = [f"  note: {imb['note']}"] if imb.get("note") else []
         return [f"work per step recorded ({unit}): no load imbalance worth reporting{s}.", *note]
