@@ -95,6 +95,19 @@ def recorded(values: dict[str, np.ndarray]) -> bool:
     return usable(values.get("work")) or usable(values.get("work_elements"))
 
 
+def uneven(values: dict[str, np.ndarray]) -> bool:
+    """Whether in some step the ranks did different work (by either count): only then can work
+    adjust anything (a job of fixed-shape batches records work that never differs)."""
+    for name in ("work", "work_elements"):
+        w = values.get(name)
+        if usable(w):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                if bool(np.any(np.nanmax(w, axis=1) > np.nanmin(w, axis=1))):
+                    return True
+    return False
+
+
 #: How much more of the busy spread the padded shape must explain than the counted work to be used.
 SHAPE_MARGIN = 0.05
 

@@ -32,7 +32,7 @@ import pyarrow as pa
 from stragglerwatch.analysis import consistency as cons
 from stragglerwatch.analysis.detect import StepMatrix, Verdict, detect, straggler, verdict
 from stragglerwatch.analysis.explain import StepTimes
-from stragglerwatch.analysis.imbalance import recorded
+from stragglerwatch.analysis.imbalance import recorded, uneven
 from stragglerwatch.analysis.intermittent import intermittent_flags
 from stragglerwatch.analysis.report import (
     RANK_COLUMNS,
@@ -356,7 +356,7 @@ class LiveRun:
         """The analysis after the rows from ``lo`` on changed (frozen scalars, resumed rule)."""
         cfg, n, r = self.cfg, self.data.n, len(self.ranks)
         mat, start = self._matrix()
-        if recorded(mat.values):  # work-adjusted times move with every new step: all again
+        if uneven(mat.values):  # work-adjusted times move with every new step: all again
             return self._exact()
         g = Groups.of(self.ranks, self.roles)
         self.det.grow(n, {"e": ((r,), np.float64, np.nan), "costly": ((r,), bool, False),
