@@ -67,3 +67,14 @@ def test_token_balanced_job_reports_no_imbalance(tmp_path: Path) -> None:
     assert im is not None and not im["detected"], im
     assert im["hints"] == []
     assert report["stragglers"] == []
+
+
+def test_dynamic_padding_is_costed_by_the_padded_shape(tmp_path: Path) -> None:
+    """Batches padded to their longest sequence, run over the padding: busy time follows the padded
+    shape, not the mask's ones, and the analysis fits that and says so."""
+    report, true_cost = _job(tmp_path, "--steps", "60", "--mask", "--pad-compute")
+    im = report["imbalance"]
+    assert report["stragglers"] == []
+    assert im["unit"] == "padded tokens" and im["detected"], im
+    assert im["lost_seconds"] == pytest.approx(true_cost, rel=0.35), (im, true_cost)
+    assert any("padded shape" in h for h in im["hints"]), im["hints"]

@@ -6,7 +6,8 @@ Each step every rank draws ``--seqs`` sequence lengths (log-normal around ``--me
 and runs a forward over the packed tokens: a small real model, plus ``--us-per-token`` microseconds
 of device-like time per token (a sleep: on a GPU the host waits the same way), so that the step's
 cost follows its tokens. ``--mask`` passes a padded ``{"input_ids", "attention_mask"}`` mapping
-instead of the packed ids (the model computes only the unmasked tokens). ``--slow-rank`` is slow per
+instead of the packed ids (the model computes only the unmasked tokens; with ``--pad-compute`` its
+device-like time follows the padded shape instead, as a model run over the padding does). ``--slow-rank`` is slow per
 token by ``--slowdown`` (its device time per token is that much longer) from ``--from-step`` on;
 ``--data-rank`` waits ``--data-ms`` more for each batch. Rank 0 writes to ``--truth`` the true cost of
 the imbalance per step: the slowest rank's device-like time and extra data wait, against the
@@ -38,10 +39,11 @@ class TokenNet(nn.Module):
         self.embed = nn.Embedding(vocab, hidden)
         self.body = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, vocab))
         self.us_per_token = 0.0
+        self.pad_compute = False
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         ids = input_ids if attention_mask is None else input_ids[attention_mask.bool()]
-        time.sleep(self.us_per_token * ids.numel() * 1e-6)
+        time.sleep(self.us_per_token * (input_ids.numel() if self.pad_compute else ids.numel()) * 1e-6)
         return self.body(self.embed(ids))
 
 
@@ -65,7 +67,8 @@ def true_cost(args: argparse.Namespace, world: int, step: int) -> float:
     """The step's cost of unequal tokens: the slowest rank's injected time against the slowest with
     the step's mean tokens on every rank (the same slowness and extra data wait kept)."""
     later = step >= args.from_step
-    tokens = np.array([lengths(args, r, step).sum() for r in range(world)], dtype=float)
+    lens = [lengths(args, r, step) for r in range(world)]
+    tokens = np.array([len(n) * n.max() if args.pad_compute else n.sum() for n in lens], dtype=float)
     per = np.array([1.0 + args.slowdown if later and r == args.slow_rank else 1.0 for r in range(world)])
     per *= args.us_per_token * 1e-6
     data = np.array([args.data_ms * 1e-3 if later and r == args.data_rank else 0.0 for r in range(world)])
@@ -82,6 +85,7 @@ def main() -> None:
     p.add_argument("--us-per-token", type=float, default=20.0)
     p.add_argument("--balanced", action="store_true")
     p.add_argument("--mask", action="store_true")
+    p.add_argument("--pad-compute", action="store_true", help="with --mask: the time follows the padded shape")
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slowdown", type=float, default=0.5)
     p.add_argument("--data-rank", type=int, default=-1)
@@ -95,6 +99,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     net = TokenNet()
+    net.pad_compute = args.pad_compute
     model = DDP(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     watch = stragglerwatch.attach(model, args.run_dir, optimizer=optimizer, code_sample_hz=0)
