@@ -189,7 +189,7 @@ def detect(
     mat = data if isinstance(data, StepMatrix) else to_matrix(data)
     g = Groups.of(mat.ranks, groups)
     chosen = imb.basis(mat.values, mat.work_unit)
-    raw, unit = chosen if chosen is not None else (mat.values, "")
+    raw, unit, column = chosen if chosen is not None else (mat.values, "", "work")
     model = imb.fit(raw, g) if chosen is not None else None
     values = imb.adjust(raw, model, g) if model is not None else raw
     flagged = _flag(values, g, cfg)
@@ -211,7 +211,7 @@ def detect(
     result = verdict(mat.ranks, mat.steps, found, stats, health, g, cfg, thresholds, slowdown, flags)
     if model is not None:
         im = result.imbalance = imb.assess(raw, model, g, flags.any(axis=0), mat.ranks, result.job_seconds,
-                                           cfg.imbalance_min_slowdown, unit)  # fmt: skip
+                                           cfg.imbalance_min_slowdown, unit, column)  # fmt: skip
         if im.detected and im.lost_seconds:  # the job's ideal has neither stragglers nor unequal work
             result.lost_seconds = min(result.job_seconds, result.lost_seconds + im.lost_seconds)
             result.ideal_seconds = result.job_seconds - result.lost_seconds

@@ -31,7 +31,7 @@ counts against it), and its slowdown is ``S = T / (T - cost)``.
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -69,10 +69,6 @@ class Imbalance:
     phase_seconds_per_unit: dict[str, float] = field(default_factory=dict)  # healthy slope of each phase
     column: str = "work"  # the record's column fitted: ``work``, or ``work_elements`` (the padded shape)
     varies: bool = True  # the work differs between ranks or steps (False: the same batch every time)
-    note: str | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
@@ -82,7 +78,6 @@ class WorkModel:
     slopes: dict[str, np.ndarray]  # column -> per rank (NaN: not identified)
     healthy: dict[str, np.ndarray]  # column -> per group
     steps: int
-    static: bool  # the slopes came from across ranks (work hardly varies within a rank)
 
 
 def usable(work: np.ndarray | None) -> bool:
@@ -123,18 +118,23 @@ def _follows(busy: np.ndarray, w: np.ndarray) -> float:
     return sxy * sxy / (sxx * syy) if sxx > 0 and syy > 0 else 0.0
 
 
-def basis(values: dict[str, np.ndarray], unit: str) -> tuple[dict[str, np.ndarray], str] | None:
-    """The work the analysis fits (``values`` with it as ``work``) and its unit, or None without any:
-    the counted work, or the input's padded shape (``work_elements``) where busy time follows that
-    clearly better (dynamic padding: the compute runs over the padding too)."""
+#: What :func:`basis` returns: the values with the fitted work as ``work``, its unit, its column.
+Basis = tuple[dict[str, np.ndarray], str, str]
+
+
+def basis(values: dict[str, np.ndarray], unit: str) -> Basis | None:
+    """The work the analysis fits (``values`` with it as ``work``), its unit and the record's column
+    it came from, or None without any: the counted work, or the input's padded shape
+    (``work_elements``) where busy time follows that clearly better (dynamic padding: the compute
+    runs over the padding too)."""
     work, shape = values.get("work"), values.get("work_elements")
     counted = usable(work)
     if shape is not None and usable(shape) and not (counted and np.array_equal(work, shape, equal_nan=True)):
         busy = values["busy_s"]
         if not counted or _follows(busy, shape) > _follows(busy, work) + SHAPE_MARGIN:
             padded = "padded tokens" if unit == "tokens" else "padded elements"
-            return {**values, "work": shape, "work_basis": shape}, padded
-    return (values, unit) if counted else None
+            return {**values, "work": shape}, padded, "work_elements"
+    return (values, unit, "work") if counted else None
 
 
 def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -213,7 +213,6 @@ def fit(values: dict[str, np.ndarray], groups: Groups, healthy: np.ndarray | Non
     steps = int(ok_all.any(axis=1).sum())
     slopes = {c: np.full(w.shape[1], np.nan) for c in ADJUSTED}
     healthy_slope = {c: np.zeros(len(groups.members)) for c in ADJUSTED}
-    static = False
     for gi, idx in enumerate(groups.members):
         if len(idx) < 2:
             continue
@@ -223,7 +222,6 @@ def fit(values: dict[str, np.ndarray], groups: Groups, healthy: np.ndarray | Non
             if not np.any(np.nanmax(np.where(ok, wg, np.nan), axis=1) > np.nanmin(np.where(ok, wg, np.nan), axis=1)):
                 continue  # the same work on every rank of every step: nothing to fit, no imbalance
         group_static = _is_static(wg, ok)
-        static |= group_static
         chosen = idx if healthy is None else [j for j in idx if healthy[j]] or list(idx)
         pick = np.isin(idx, chosen)
         for c in ADJUSTED:
@@ -239,7 +237,7 @@ def fit(values: dict[str, np.ndarray], groups: Groups, healthy: np.ndarray | Non
             known = np.sort(beta[pick][np.isfinite(beta[pick])])
             if known.size:
                 healthy_slope[c][gi] = known[(known.size - 1) // 2] if healthy is None else float(np.median(known))
-    return WorkModel(slopes, healthy_slope, steps, static)
+    return WorkModel(slopes, healthy_slope, steps)
 
 
 def step_reference(w: np.ndarray, groups: Groups, how: str = "median") -> np.ndarray:
@@ -266,7 +264,7 @@ def adjust(values: dict[str, np.ndarray], model: WorkModel, groups: Groups) -> d
 
 
 def assess(values: dict[str, np.ndarray], model: WorkModel, groups: Groups, flagged: np.ndarray, ranks: np.ndarray,
-           job_seconds: float, min_slowdown: float, unit: str = "") -> Imbalance:  # fmt: skip
+           job_seconds: float, min_slowdown: float, unit: str = "", column: str = "work") -> Imbalance:  # fmt: skip
     """The imbalance verdict: its cost (what-if: equal work per step), the share of the busy spread
     work explains, the heaviest ranks. ``flagged``: per rank, a straggler somewhere (its own slope
     is used for it, the healthy one for the others)."""
@@ -292,7 +290,7 @@ def assess(values: dict[str, np.ndarray], model: WorkModel, groups: Groups, flag
     return Imbalance(unit=unit, steps=model.steps, detected=bool(detected), lost_seconds=lost,
                      slowdown=slowdown, explained=explained, seconds_per_unit=per_unit, work_spread=spread,
                      heaviest_ranks=heaviest, heaviest_share=share, phase_seconds_per_unit=phases,
-                     column="work_elements" if "work_basis" in values else "work",
+                     column=column,
                      varies=bool(ok.any() and np.nanmax(w[ok]) > np.nanmin(w[ok])))  # fmt: skip
 
 

@@ -187,7 +187,6 @@ def imbalance_entry(im: Imbalance, world: int) -> ImbalanceEntry:
         work_spread=_num(im.work_spread, 4), heaviest_ranks=im.heaviest_ranks,
         heaviest_share=_num(im.heaviest_share, 4), varies=im.varies, phase_seconds_per_unit=phases,
         hints=imbalance_advice(im),
-        note=im.note,
     )  # fmt: skip
 
 
