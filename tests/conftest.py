@@ -171,14 +171,17 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 180, env: dict | None = None):
-    """Run ``script`` under torchrun with ``nproc`` CPU ranks; fail (not hang) past ``timeout_s``. For
-    what torchrun itself adds: its elastic agent's store, restarts, the teardown of the other ranks."""
+def torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 180, env: dict | None = None,
+             launcher: tuple[str, ...] = ()):
+    """Run ``script`` under torchrun with ``nproc`` CPU ranks (``launcher``: more of torchrun's own options,
+    e.g. ``--max-restarts``); fail (not hang) past ``timeout_s``. For what torchrun itself adds: its
+    elastic agent's store, restarts, the teardown of the other ranks."""
     import os
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher,
+           str(script)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout_s, env=full_env, cwd=ROOT)
     if proc.returncode != 0:

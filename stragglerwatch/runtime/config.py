@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from stragglerwatch.analysis.policy import CAUSES as STRAGGLER_CAUSES
+from stragglerwatch.analysis.policy import ActRule
 from stragglerwatch.runtime.log import Problems
 
 #: Environment variable of each field that has one.
@@ -28,12 +30,21 @@ ENV = {
     "debug_server_host": "STRAGGLERWATCH_DEBUG_SERVER_HOST",
     "timing": "STRAGGLERWATCH_TIMING",
     "code_sample_hz": "STRAGGLERWATCH_CODE_SAMPLE_HZ",
+    "on_hang": "STRAGGLERWATCH_ON_HANG",
+    "hang_abort_s": "STRAGGLERWATCH_HANG_ABORT_S",
+    "on_straggler": "STRAGGLERWATCH_ON_STRAGGLER",
+    "straggler_after_s": "STRAGGLERWATCH_STRAGGLER_AFTER_S",
+    "exclude_file": "STRAGGLERWATCH_EXCLUDE_FILE",
 }
 DISABLE_ENV = "STRAGGLERWATCH_DISABLE"
 #: Values of ``prometheus_mode``: the exporter's series (``exporter.py``'s docstring).
 MODES = ("full", "lean")
 #: Values of ``timing``: which clock times the phases (``devices.py``).
 TIMINGS = ("auto", "host", "cuda")
+#: Values of ``on_hang``: record the hang (the default), or also end the job's ranks (``policy.md``).
+HANG_POLICIES = ("record", "abort")
+#: The built-in action of ``on_straggler``: write the straggler's host into exclusion files.
+EXCLUDE = "exclude"
 #: The default and the highest rate of the code sampler (samples per second).
 CODE_HZ, MAX_CODE_HZ = 20.0, 200.0
 
@@ -50,6 +61,32 @@ def _env_port(from_env: dict[str, Any], name: str, lowest: int, consequence: str
         if problems is not None:
             problems.report("config", f"{ENV[name]}={from_env[name]!r} is not a port: {consequence}")
         del from_env[name]
+
+
+def _env_policies(from_env: dict[str, Any], problems: Problems | None) -> None:
+    """The policies' settings from the environment; a value that cannot be used is reported and dropped."""
+
+    def drop(name: str, consequence: str) -> None:
+        if problems is not None:
+            problems.report("config", f"{ENV[name]}={from_env[name]!r} {consequence}")
+        del from_env[name]
+
+    if "on_hang" in from_env:
+        from_env["on_hang"] = from_env["on_hang"].lower()
+        if from_env["on_hang"] not in HANG_POLICIES:
+            drop("on_hang", "is not 'record' or 'abort': hangs are recorded only")
+    if "on_straggler" in from_env:
+        from_env["on_straggler"] = from_env["on_straggler"].lower()
+        if from_env["on_straggler"] != EXCLUDE:
+            drop("on_straggler", f"is not {EXCLUDE!r} (a callable is given to attach()): no straggler action")
+    for name in ("hang_abort_s", "straggler_after_s"):
+        if name in from_env:
+            try:
+                from_env[name] = float(from_env[name])
+                if not (from_env[name] > 0 if name == "hang_abort_s" else from_env[name] >= 0):
+                    raise ValueError
+            except ValueError:
+                drop(name, "is not a number of seconds: the default is used")
 
 
 class ConfigError(ValueError):
@@ -156,6 +193,48 @@ class Config:
     the log thread; steps still unresolved then are counted (``unresolved_steps``) and recorded in
     an ``unresolved`` event, never waited for."""
 
+    on_hang: str | None = None
+    """What a confirmed hang does (``$STRAGGLERWATCH_ON_HANG``): ``"record"`` (the default: the events,
+    stacks and Flight Recorder dump) or ``"abort"``: a rank still stalled half of ``hang_abort_s`` after
+    its diagnosis aborts its process groups, lets its SIGTERM handler run where the main thread can run
+    it, and exits with status 75 (``HANG_EXIT_STATUS``) by ``hang_abort_s``, so that ``torchrun
+    --max-restarts`` or the scheduler restarts the job from its last checkpoint before the collective
+    timeout (the Policies page)."""
+
+    hang_abort_s: float | None = None
+    """With ``on_hang="abort"``: the most seconds from a rank's diagnosis to its exit
+    (``$STRAGGLERWATCH_HANG_ABORT_S``). A stall that ends in the first half is left alone; the second
+    half is for the SIGTERM handler. Default: twice the watchdog's threshold at the stall."""
+
+    on_straggler: Any = None
+    """What rank 0 does when a rank stays flagged as a straggler (``$STRAGGLERWATCH_ON_STRAGGLER``):
+    ``"exclude"`` (write its host into ``exclude_file``), a callable that receives the verdict (a dict:
+    rank, host, cause, since, flagged_s, slowdown, lost_seconds, hints, ...), or a list of these.
+    Once per episode, never for load imbalance or a cause not in ``straggler_causes``. Default: none."""
+
+    straggler_after_s: float | None = None
+    """How long (seconds of the job's steps) a rank must have been flagged, and still be, before
+    ``on_straggler`` acts (``$STRAGGLERWATCH_STRAGGLER_AFTER_S``). Default 300 (``ActRule.after_s``)."""
+
+    straggler_min_slowdown: float = ActRule.min_slowdown
+    """The least slowdown (busy time over its peers', for the same work) that ``on_straggler`` acts on:
+    above the detector's flag, so that the few-percent drift a healthy node wanders by never acts."""
+
+    straggler_min_steps: int = ActRule.min_steps
+    """The fewest steps a rank must have been flagged for before ``on_straggler`` acts: a chance run
+    of slow steps in noisy jobs lasts tens of steps, never this many."""
+
+    straggler_causes: tuple[str, ...] = STRAGGLER_CAUSES
+    """The causes ``on_straggler`` acts on (``data``, ``compute``, ``optimizer``, ``other``)."""
+
+    exclude_file: str | os.PathLike[str] | None = None
+    """Where ``on_straggler="exclude"`` writes (``$STRAGGLERWATCH_EXCLUDE_FILE``): the hosts one a line,
+    and beside it ``<file>.slurm``, the same hosts as one Slurm hostlist (``--exclude``). Default:
+    ``excluded-hosts.txt`` in the run dir."""
+
+    policy_interval_s: float = 30.0
+    """How often rank 0 analyses the run dir for ``on_straggler`` (on a thread of its own)."""
+
     enabled: bool = True
     """``False`` (or ``$STRAGGLERWATCH_DISABLE=1``) makes ``attach`` a no-op returning an inert handle."""
 
@@ -204,6 +283,7 @@ class Config:
                     problems.report("config", f"{ENV['code_sample_hz']}={from_env['code_sample_hz']!r} is not a "
                                     f"rate from 0 to {MAX_CODE_HZ:g}: the default rate is used")  # fmt: skip
                 del from_env["code_sample_hz"]
+        _env_policies(from_env, problems)
         if env.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
             from_env["enabled"] = False
         known = {f.name for f in fields(cls)}
@@ -239,3 +319,37 @@ class Config:
             raise ConfigError(f"code_sample_hz must be from 0 (off) to {MAX_CODE_HZ:g}, not {self.code_sample_hz}")
         if self.prometheus_mode is not None and self.prometheus_mode not in MODES:
             raise ConfigError(f"prometheus_mode must be 'full' or 'lean', not {self.prometheus_mode!r}")
+        self._check_policies()
+
+    def _check_policies(self) -> None:
+        if self.on_hang is not None and self.on_hang not in HANG_POLICIES:
+            raise ConfigError(f"on_hang must be 'record' or 'abort', not {self.on_hang!r}")
+        if self.hang_abort_s is not None and not self.hang_abort_s > 0:
+            raise ConfigError(f"hang_abort_s must be > 0 (seconds from diagnosis to exit), not {self.hang_abort_s}")
+        if self.on_hang == "abort" and self.watchdog_timeout_s == 0:
+            raise ConfigError("on_hang='abort' needs the watchdog, which watchdog_timeout_s=0 turns off")
+        for action in self.straggler_actions():
+            if not callable(action) and action != EXCLUDE:
+                raise ConfigError(f"on_straggler takes {EXCLUDE!r}, a callable or a list of these, not {action!r}")
+        if self.straggler_after_s is not None and not self.straggler_after_s >= 0:
+            raise ConfigError(f"straggler_after_s must be >= 0, not {self.straggler_after_s}")
+        if not self.straggler_min_slowdown > 1.0 or self.straggler_min_steps < 1:
+            raise ConfigError("straggler_min_slowdown must be > 1 and straggler_min_steps >= 1")
+        unknown = sorted(set(self.straggler_causes) - set(STRAGGLER_CAUSES))
+        if isinstance(self.straggler_causes, str) or unknown:
+            raise ConfigError(f"straggler_causes is a tuple of {', '.join(STRAGGLER_CAUSES)}, "
+                              f"not {self.straggler_causes!r}")
+        if not self.policy_interval_s >= 0.5:
+            raise ConfigError(f"policy_interval_s must be >= 0.5, not {self.policy_interval_s}")
+
+    def act_rule(self) -> ActRule:
+        """The rule ``on_straggler`` acts by."""
+        after = ActRule.after_s if self.straggler_after_s is None else float(self.straggler_after_s)
+        return ActRule(after, float(self.straggler_min_slowdown), int(self.straggler_min_steps),
+                       tuple(self.straggler_causes))  # fmt: skip
+
+    def straggler_actions(self) -> list[Any]:
+        """``on_straggler`` as a list of actions (empty: none)."""
+        if self.on_straggler is None:
+            return []
+        return list(self.on_straggler) if isinstance(self.on_straggler, (list, tuple)) else [self.on_straggler]

@@ -15,7 +15,9 @@ Series (labels ``run`` and ``rank`` on all of them):
 ``stragglerwatch_last_step_timestamp_seconds``, ``stragglerwatch_watchdog_timeouts_total{phase}``,
 ``stragglerwatch_stalled``, ``stragglerwatch_exporter_errors_total``, the info metric
 ``stragglerwatch_rank_info{local_rank, host, pid}``, ``stragglerwatch_busy_unavailable{reason}``
-(1 for each reason the rank's busy time cannot be measured; absent when it can), and the work of the
+(1 for each reason the rank's busy time cannot be measured; absent when it can); with a policy on,
+``stragglerwatch_policy_actions_total{action}`` and, on rank 0, ``stragglerwatch_straggler_action{straggler_rank,
+host, cause}`` (1 for each straggler acted on); and the work of the
 steps: ``stragglerwatch_work_total{unit}`` (the sum of ``work`` over the recorded steps whose work
 was measured; one series per unit seen, at most ``MAX_UNITS``; none before such a step) and
 ``stragglerwatch_work_steps_total`` (those steps). ``rate(work_total) / rate(work_steps_total)`` is
@@ -141,6 +143,7 @@ class RankCollector(Collector):
         errors: Any = None,
         unavailable: Any = None,
         lean: bool = False,
+        policy: Any = None,
     ):
         self.metrics = metrics
         self.info = info
@@ -148,6 +151,8 @@ class RankCollector(Collector):
         self.errors = errors  # callable returning our error count
         self.unavailable = unavailable  # callable returning why busy time cannot be measured
         self.lean = lean  # summaries (sum, count) instead of histograms
+        # with a policy on: callable returning (actions taken by kind, the straggler verdicts acted on)
+        self.policy = policy
         self.labels = {"run": info.run_id, "rank": str(info.rank)}
 
     def _timing(self, name: str, doc: str, labels: list[str], rows: list[tuple[list[str], Any]]) -> Any:
@@ -208,9 +213,28 @@ class RankCollector(Collector):
             for reason in reasons:
                 u.add_metric([*values, reason], 1.0)
             yield u
+        if self.policy is not None:
+            yield from self._policy(names, values)
         i = InfoMetricFamily("stragglerwatch_rank", "Where this rank runs", labels=names)
         i.add_metric(values, {"local_rank": str(self.info.local_rank), "host": self.info.host, "pid": str(os.getpid())})
         yield i
+
+
+    def _policy(self, names: list[str], values: list[str]) -> Iterator[Any]:
+        """With ``on_hang`` or ``on_straggler`` on: the actions taken, and on rank 0 a series per straggler
+        acted on, for alerting to route (the shipped rule ``StragglerAction``)."""
+        taken, acted = self.policy()
+        a = CounterMetricFamily("stragglerwatch_policy_actions", "Actions of the policies (on_hang, on_straggler)",
+                                labels=[*names, "action"])  # fmt: skip
+        for action in ("abort", "straggler"):
+            a.add_metric([*values, action], float(taken.get(action, 0)))
+        yield a
+        if acted:
+            g = GaugeMetricFamily("stragglerwatch_straggler_action", "1 for each straggler the policy acted on "
+                                  "(rank 0)", labels=[*names, "straggler_rank", "host", "cause"])  # fmt: skip
+            for v in acted:
+                g.add_metric([*values, str(v["rank"]), str(v.get("host") or ""), str(v.get("cause") or "")], 1.0)
+            yield g
 
 
 def sd_file(sd_dir: Path, info: RunInfo) -> Path:

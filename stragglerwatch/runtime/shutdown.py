@@ -5,6 +5,11 @@ An application's own handler, installed before attach (we chain to it) or after 
 always runs to completion; a process forked from the trainer passes the signal straight on. Only when
 nobody else handles SIGTERM and the main thread still has not handled it after ``exit_grace_s`` does
 the watchdog end the process, as the default action would have.
+
+The hang policy (``hangabort.py``) ends a rank through the same handler: :meth:`ShutdownHooks.terminate`
+sends this process SIGTERM, and ours, seeing the watchdog ``aborting``, records nothing more (the
+action is recorded), runs the application's handler it chained to, and exits with
+``HANG_EXIT_STATUS`` (a status of 0 from that handler becomes it; another is kept).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import signal
 import sys
 import threading
 from typing import TYPE_CHECKING, Any
+
+from stragglerwatch.runtime.hangabort import HANG_EXIT_STATUS
 
 if TYPE_CHECKING:  # the watchdog owns its hooks
     from stragglerwatch.runtime.watchdog import Watchdog
@@ -76,10 +83,38 @@ class ShutdownHooks:
             self.watchdog.on_terminate(f"{exc_type.__name__}: {exc}"[:500])
         self._prev_excepthook(exc_type, exc, tb)
 
+    def terminate(self) -> str:
+        """For the hang policy (from the watchdog thread): send this process SIGTERM where a Python
+        handler will run it on the main thread; which handler, or why none. Where the application's
+        own replaced ours, the process is also told to end with ``HANG_EXIT_STATUS`` at exit."""
+        try:
+            current = signal.getsignal(signal.SIGTERM)
+        except Exception as exc:
+            return f"none ({type(exc).__name__})"
+        if current == self._on_sigterm and self._ours():
+            which = "ours, then the application's" if callable(self._prev_handler) else "ours"
+        elif callable(current):
+            which = "the application's"
+            self.watchdog.exit_status = HANG_EXIT_STATUS
+        else:
+            return "none (no Python handler is installed)"
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        except OSError as exc:
+            return f"none ({exc})"
+        return which
+
     def _on_sigterm(self, signum: int, frame: Any) -> None:
+        prev = self._prev_handler
+        if self._ours() and self.watchdog.aborting:
+            if callable(prev):
+                try:
+                    prev(signum, frame)
+                except SystemExit as exc:
+                    raise SystemExit(exc.code if exc.code not in (0, None) else HANG_EXIT_STATUS) from None
+            raise SystemExit(HANG_EXIT_STATUS)
         if self._ours():
             self.watchdog.on_terminate("SIGTERM")
-        prev = self._prev_handler
         if callable(prev):
             prev(signum, frame)
         elif prev != signal.SIG_IGN:

@@ -25,6 +25,7 @@ import functools
 import math
 import numbers
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -47,8 +48,9 @@ from stragglerwatch.runtime.ctxmetrics import ContextCollector
 from stragglerwatch.runtime.datamark import DataMark, mark_fetch
 from stragglerwatch.runtime.devices import CaptureGate, CudaMarks, compute_device, device_progress
 from stragglerwatch.runtime.exporter import Exporter, RankCollector, RankMetrics
+from stragglerwatch.runtime.hangabort import HangAbort, exit_now, restart_caveat
 from stragglerwatch.runtime.identity import AttachError, discover, write_meta
-from stragglerwatch.runtime.log import Problems
+from stragglerwatch.runtime.log import LOGGER, Problems
 from stragglerwatch.runtime.models import ModelInfo, inspect_model, mesh_role
 from stragglerwatch.runtime.nativestacks import NativeStacks
 from stragglerwatch.runtime.peers import PeerBoard
@@ -62,6 +64,7 @@ from stragglerwatch.runtime.shadows import (
     time_fsdp_waits,
 )
 from stragglerwatch.runtime.shutdown import ShutdownHooks
+from stragglerwatch.runtime.stragglerpolicy import StragglerPolicy
 from stragglerwatch.runtime.taps import tap_collectives, tap_scaler
 from stragglerwatch.runtime.timing import resolve_cuda
 from stragglerwatch.runtime.watchdog import Watchdog
@@ -101,6 +104,7 @@ class Watch:
         self._code: CodeSampler | None = None
         self._notes: UnavailableNotes | None = None
         self._controls: Controls | None = None
+        self._policy: StragglerPolicy | None = None  # rank 0 with ``on_straggler``
         self._marks: CudaMarks | None = None  # CUDA timing: the probe's clock
         self._gate: CaptureGate | None = None  # CUDA timing: no event query of ours during a graph capture
         self._events: EventFile | None = None  # this rank's events (the watchdog's, or close's own)
@@ -149,6 +153,7 @@ class Watch:
             "exporter_errors": self._exporter.errors if self._exporter else 0,
             "metrics_port": self._exporter.port if self._exporter and self._exporter.server else None,
             "watchdog_timeouts": dict(wd.timeouts_by_phase) if wd else {},
+            "actions": self._actions(),
             "stalled": bool(wd and wd.stalled),
             "last_step_timestamp": None if last is None else self._wall_anchor + last,
             "busy_unavailable": self._notes.reasons() if self._notes else [],
@@ -157,6 +162,13 @@ class Watch:
             "code_samples": self._code.samples if self._code else 0,
             "problems": dict(self.problems.counts),
         }
+
+    def _actions(self) -> dict[str, int]:
+        """The policies' actions taken by this rank, by kind (``abort``, ``straggler``)."""
+        out = dict(self._watchdog.actions) if self._watchdog is not None else {}
+        if self._policy is not None and self._policy.acted:
+            out["straggler"] = len(self._policy.acted)
+        return out
 
     def wrap(self, iterable: Iterable[Any]) -> Iterable[Any]:
         """Time every ``next()`` on ``iterable`` as data wait (exactly, instead of the
@@ -257,10 +269,13 @@ class Watch:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
+        if self._watchdog is None or self._watchdog.exit_status is None:  # else the exit hook ends the process
+            atexit.unregister(self._at_exit)
         steps: list[tuple[str, Callable[[], Any]]] = []
         if self._controls is not None:
             steps.append(("stop the runtime controls", self._controls.close))
+        if self._policy is not None:
+            steps.append(("stop the straggler policy", self._policy.stop))
         if self._probe is not None:
             self._probe.enabled = False
             steps.append(("finish the last step", self._probe.finish_pending))
@@ -284,6 +299,15 @@ class Watch:
                 self.problems.report("close", f"close: could not {what}: {type(exc).__name__}: {exc}")
         self._handles.clear()
 
+    def _at_exit(self) -> None:
+        """The interpreter's exit hook: close, and where the hang policy is ending this rank through the
+        application's SIGTERM handler (which replaced ours and may exit with 0), end with its status."""
+        self.close()
+        status = self._watchdog.exit_status if self._watchdog is not None else None
+        if status is not None and not threading.main_thread().is_alive():  # at exit, not a handler's close()
+            LOGGER.warning("stragglerwatch: hang policy: this rank ends with exit status %d", status)
+            exit_now(status)
+
     def _record_unresolved(self) -> None:
         """Steps the GPU had not finished when close stopped waiting: said, not lost silently."""
         steps = self._writer.unresolved if self._writer is not None else []
@@ -305,7 +329,7 @@ class Watch:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
+        atexit.unregister(self._at_exit)
         if self._probe is not None:
             self._probe.enabled = False
         if self._shutdown is not None:
@@ -440,7 +464,7 @@ def attach(
         watch.close()
         problems.report("attach", f"cannot watch this model ({type(exc).__name__}: {exc}); training goes on unwatched")
         return Watch()
-    atexit.register(watch.close)  # a strong reference: `attach(model)` as a bare statement records too
+    atexit.register(watch._at_exit)  # a strong reference: `attach(model)` as a bare statement records too
     ref = weakref.ref(watch)
     os.register_at_fork(before=functools.partial(_at_fork, ref, "before"),
                         after_in_parent=functools.partial(_at_fork, ref, "parent"),
@@ -514,6 +538,16 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
             ids={"restart": info.restart, "attach": info.attach}, problems=problems,
             fr_path=info.run_dir / f"flightrec-{info.rank:05d}.pkl",
             device=_device_reader(probe, gate) if gate is not None else None,
+            abort=_hang_abort(watch, cfg) if cfg.on_hang == "abort" else None,
+        )  # fmt: skip
+    caveat = restart_caveat(os.environ) if cfg.on_hang == "abort" else None
+    if caveat is not None and info.local_rank == 0:
+        problems.report("config", caveat)
+    if cfg.straggler_actions() and info.rank == 0:
+        watch._policy = StragglerPolicy(
+            info.run_dir, cfg.act_rule(), cfg.straggler_actions(), watch._events, info.world_size,
+            exclude_file=Path(cfg.exclude_file) if cfg.exclude_file else None, interval_s=cfg.policy_interval_s,
+            problems=problems, ids={"restart": info.restart, "attach": info.attach},
         )  # fmt: skip
     if cfg.context_interval_s:
         gpu = _cuda_index(device) if device.type == "cuda" else None
@@ -526,8 +560,12 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
         metrics = RankMetrics()
         writer.observers.append(metrics.observe)
         lean = cfg.prometheus_mode == "lean"
+        policy = None
+        if cfg.on_hang == "abort" or watch._policy is not None:
+            def policy() -> tuple[dict[str, int], list[dict[str, Any]]]:
+                return watch._actions(), list(watch._policy.acted) if watch._policy is not None else []
         collector = RankCollector(metrics, info, watch._watchdog, errors=lambda: writer.write_errors,
-                                  unavailable=notes.reasons, lean=lean)  # fmt: skip
+                                  unavailable=notes.reasons, lean=lean, policy=policy)  # fmt: skip
         watch._exporter = Exporter(collector, int(cfg.prometheus_port) + info.local_rank,
                                    cfg.prometheus_addr or "0.0.0.0", Path(cfg.sd_dir) if cfg.sd_dir else None,
                                    problems)  # fmt: skip
@@ -557,10 +595,22 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
     if watch._watchdog is not None:
         watch._shutdown = ShutdownHooks(watch._watchdog)
         watch._watchdog.start()
-    for sampler in (watch._context, watch._code):
+    for sampler in (watch._context, watch._code, watch._policy):
         if sampler is not None:
             sampler.start()
     watch.controls.start(cfg.control_interval_s, cfg.debug_server_port, cfg.debug_server_host)
+
+
+def _hang_abort(watch: Watch, cfg: Config) -> Callable[[Watchdog], HangAbort]:
+    """``on_hang="abort"``'s policy for the watchdog: it signals through our SIGTERM handler."""
+
+    def terminate() -> str:
+        return watch._shutdown.terminate() if watch._shutdown is not None else "none (our handler is not installed)"
+
+    def make(watchdog: Watchdog) -> HangAbort:
+        return HangAbort(cfg.hang_abort_s, terminate, watchdog._stop)
+
+    return make
 
 
 def _device_reader(probe: StepProbe, gate: CaptureGate) -> Callable[[], dict[str, Any] | None]:

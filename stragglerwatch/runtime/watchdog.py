@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from stragglerwatch.analysis.hangs import PROGRESS_KEYS, classify, local_verdict
 from stragglerwatch.record.events import BOUNDED_WRITE_S, EventFile
 from stragglerwatch.runtime.dumps import dump_flight_recorder, thread_stacks
+from stragglerwatch.runtime.hangabort import HangAbort
 from stragglerwatch.runtime.log import Problems
 from stragglerwatch.runtime.nativestacks import NativeStacks
 from stragglerwatch.runtime.peers import PeerBoard, collective_counts, collective_progress
@@ -75,6 +76,7 @@ class Watchdog:
         problems: Problems | None = None,
         fr_path: Path | None = None,
         device: Callable[[], dict[str, Any] | None] | None = None,
+        abort: Callable[[Watchdog], HangAbort] | None = None,
     ):
         self.probe = probe
         self.device = device  # CUDA timing: where this rank's GPU is (``devices.device_progress``)
@@ -89,6 +91,7 @@ class Watchdog:
         self.timeout_s = timeout_s
         self.floor_s, self.multiple, self.warmup_s, self.poll_s = floor_s, multiple, warmup_s, poll_s
         self.timeouts_by_phase: dict[str, int] = {}
+        self.actions: dict[str, int] = {}  # actions taken by this rank's policies, by kind (for the exporter)
         self.stalled = False
         self.errors = 0
         self._wall = wall_anchor
@@ -101,6 +104,10 @@ class Watchdog:
         # does SIGTERM still mean the default action (set by ShutdownHooks): exit if the main thread cannot
         self.exits_by_default: Callable[[], bool] = lambda: False
         self._thread = threading.Thread(target=self._run, name=f"stragglerwatch-watchdog-{rank}", daemon=True)
+        self.abort = abort(self) if abort is not None else None  # ``on_hang="abort"`` (``hangabort.py``)
+        self.aborting = False  # the hang policy is ending this rank: a SIGTERM now is ours
+        # the status the process must end with at interpreter exit (the application's handler replaced ours)
+        self.exit_status: int | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -109,7 +116,7 @@ class Watchdog:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
-        if self._stall is not None and self.probe.where != self._stall["where"]:  # recovered, not yet noticed
+        if self._stall is not None and not self.aborting and self.probe.where != self._stall["where"]:  # recovered
             self.record("recovery", stall_id=self._stall["id"])
         if self.native is not None:
             try:
@@ -188,6 +195,8 @@ class Watchdog:
             if (step, phase, since) != self._stall["where"]:
                 self._event("recovery", stall_id=self._stall["id"], stalled_s=round(now - self._stall["t"], 3))
                 self._stall, self.stalled = None, False
+            elif self.abort is not None and self.abort.due(self._stall["diagnosed"], self._stall["threshold_s"], now):
+                self._abort(now)
             return
         threshold = self.threshold()
         if now - since <= threshold:
@@ -195,7 +204,9 @@ class Watchdog:
         if self.native is not None:  # this thread is busy on purpose from here: no dump for that
             self.native.pause()
         stall_id = f"{self.rank}-{step}-{int(self._wall + since)}"
-        self._stall = {"id": stall_id, "where": (step, phase, since), "t": since}
+        # diagnosed: when the diagnosis was written (the hang policy counts from there; until then, from now)
+        self._stall = {"id": stall_id, "where": (step, phase, since), "t": since, "diagnosed": now,
+                       "threshold_s": threshold}  # fmt: skip
         self.stalled = True
         self.timeouts_by_phase[phase] = self.timeouts_by_phase.get(phase, 0) + 1
         stacks = thread_stacks()
@@ -204,8 +215,26 @@ class Watchdog:
         ev = self._event("stall", (step, phase, since), id=stall_id, waited_s=round(now - since, 3),
                          threshold_s=round(threshold, 3), collectives=collective_counts(),
                          **self._progress(), stacks=stacks)  # fmt: skip
-        self._diagnose(ev, grace_s=max(2.0, 2 * statistics.median(self.probe.recent_steps or [0.0])))
+        verdict = self._diagnose(ev, grace_s=max(2.0, 2 * statistics.median(self.probe.recent_steps or [0.0])))
         self._flight_recorder(stall_id)
+        self._stall.update(diagnosed=time.perf_counter(), verdict=verdict)
+
+    def _abort(self, now: float) -> None:
+        """``on_hang="abort"``: this rank's stall has outlasted half the bound after its diagnosis."""
+        if self.abort is None or self._stall is None:
+            return
+        stall = self._stall
+        self.aborting = True
+        verdict = stall.get("verdict") or {}
+
+        def record(**fields: Any) -> None:
+            self._event("action", action="abort", stall_id=stall["id"], stalled_s=round(now - stall["t"], 3),
+                        culprit_ranks=verdict.get("culprit_ranks"), victim_ranks=verdict.get("victim_ranks"),
+                        **fields)  # fmt: skip
+            self.actions["abort"] = self.actions.get("abort", 0) + 1
+            self._flush()
+
+        self.abort.run(stall["diagnosed"], stall["threshold_s"], now, record)
 
     def _progress(self) -> dict[str, Any]:
         """What completed, beside what was issued: per group the last started and completed
@@ -234,7 +263,7 @@ class Watchdog:
         if entries:
             self._event("flight_recorder", stall_id=stall_id, file=self.fr_path.name, entries=entries)
 
-    def _diagnose(self, stall: dict[str, Any], grace_s: float) -> None:
+    def _diagnose(self, stall: dict[str, Any], grace_s: float) -> dict[str, Any]:
         own = {"step": stall["step"], "phase": stall["phase"], "since": stall["since"], "at": stall["detected_at"],
                "collectives": stall["collectives"],
                **{k: stall[k] for k in PROGRESS_KEYS if stall.get(k) is not None}}  # fmt: skip
@@ -254,11 +283,12 @@ class Watchdog:
         hang_step, hang_phase = verdict.pop("step"), verdict.pop("phase")
         self._event("diagnosis", stall_id=stall["id"], evidence=evidence, peers=states, hang_step=hang_step,
                     hang_phase=hang_phase, threshold_s=stall["threshold_s"], **verdict)  # fmt: skip
+        return verdict
 
     # -- shutdown evidence ----------------------------------------------------
     def on_terminate(self, reason: str, from_thread: bool = False) -> None:
         """Record once what the rank was doing, flush the step log."""
-        if self._terminated.is_set():
+        if self._terminated.is_set() or self.aborting:  # the hang policy's own SIGTERM: its action is recorded
             return
         self._terminated.set()
         try:

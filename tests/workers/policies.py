@@ -1,0 +1,129 @@
+"""Jobs for the policies' tests and benchmark (gloo, under torchrun or started directly).
+
+Usage: policies.py MODE OUT_DIR [options]. Every rank trains a small DDP model with stragglerwatch
+attached; what the test checks goes into OUT_DIR:
+
+- ``hang``: in the first attempt (``TORCHELASTIC_RESTART_COUNT`` 0), rank ``--culprit`` stops making
+  progress at step ``--hang-step`` (a Python sleep in its data fetch: ``--stuck data``; or outside any
+  phase the probe knows, ``--stuck other``); every attempt writes ``first-<restart>-<rank>`` (the time of its
+  first finished step) and ``done-<restart>-<rank>`` at the end; the culprit writes ``hang-<rank>`` (when it
+  stopped). ``--handler before|after|none``: the application's SIGTERM handler, installed before or after
+  attach, writes ``ckpt-<restart>-<rank>`` and calls ``sys.exit(0)``;
+- ``recover``: rank 1 pauses ``--pause`` seconds at step ``--hang-step``, then goes on;
+- ``straggler``: rank ``--slow-rank`` (none: -1) sleeps ``--slowdown`` seconds in every forward from step
+  10; rank 0's ``on_straggler`` action appends each verdict to ``verdicts.jsonl``.
+
+Settings of the policies come from the environment (``STRAGGLERWATCH_ON_HANG`` and the others).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import stragglerwatch
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("mode", choices=("hang", "recover", "straggler"))
+    p.add_argument("out", type=Path)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--culprit", type=int, default=1)
+    p.add_argument("--hang-step", type=int, default=8)
+    p.add_argument("--stuck", choices=("data", "other"), default="data")
+    p.add_argument("--handler", choices=("before", "after", "none"), default="none")
+    p.add_argument("--pause", type=float, default=3.0)
+    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slowdown", type=float, default=0.02)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps on every rank")
+    p.add_argument("--pg-timeout", type=float, default=600.0, help="the process group's collective timeout (s)")
+    p.add_argument("--watchdog", type=float, default=2.0, help="watchdog_timeout_s (-1: the adaptive default)")
+    return p.parse_args()
+
+
+class Slow(nn.Module):
+    """Sleeps ``delay`` seconds in forward from step 10 on (a compute straggler)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delay, self.calls = 0.0, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.delay and self.calls > 10:
+            time.sleep(self.delay)
+        return x
+
+
+def main() -> None:
+    args = parse()
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+    rank = dist.get_rank()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    slow = Slow()
+    model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), slow, nn.Linear(64, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def checkpoint(signum: int, frame: object) -> None:
+        torch.save(model.module.state_dict(), args.out / f"ckpt-{restart}-{rank}")
+        sys.exit(0)
+
+    if args.handler == "before":
+        signal.signal(signal.SIGTERM, checkpoint)
+    verdicts = args.out / "verdicts.jsonl"
+
+    def note(verdict: dict) -> None:
+        with verdicts.open("a") as f:
+            f.write(json.dumps(verdict) + "\n")
+
+    extra = {"on_straggler": ["exclude", note], "policy_interval_s": 1.0} if args.mode == "straggler" else {}
+    watchdog = None if args.watchdog < 0 else args.watchdog
+    watch = stragglerwatch.attach(model, args.out / "run", optimizer=opt, watchdog_timeout_s=watchdog,
+                                  flush_interval_s=0.2, **extra)  # fmt: skip
+    if args.handler == "after":
+        signal.signal(signal.SIGTERM, checkpoint)
+    if args.mode == "straggler" and rank == args.slow_rank:
+        slow.delay = args.slowdown
+
+    def fetch(step: int) -> torch.Tensor:
+        stuck_here = args.mode == "hang" and restart == 0 and rank == args.culprit and step == args.hang_step
+        if stuck_here:
+            (args.out / f"hang-{rank}").write_text(repr(time.time()))
+            while True:
+                time.sleep(1.0)  # stopped making progress, in Python: its SIGTERM handler can run
+        if args.mode == "recover" and rank == 1 and step == args.hang_step:
+            time.sleep(args.pause)
+        return torch.randn(16, 32)
+
+    get = watch.data(fetch) if args.stuck == "data" else fetch
+    for step in range(args.steps):
+        x = get(step)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            (args.out / f"first-{restart}-{rank}").write_text(repr(time.time()))
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+    watch.close()
+    (args.out / f"done-{restart}-{rank}").write_text(json.dumps(watch.stats()["actions"]))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
