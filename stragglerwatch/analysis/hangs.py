@@ -211,6 +211,9 @@ def hangs_from_events(
         culprit_events = [e for e in group if e.get("kind") == "stall" and int(e["rank"]) in verdict["culprit_ranks"]]
         first = min(group, key=lambda e: e.get("detected_at", 0.0))
         recovered = _recovered(group, events)
+        ids = {e.get("id") for e in group if e.get("kind") == "stall"}
+        aborted = sorted({int(e["rank"]) for e in events if e.get("kind") == "action" and e.get("action") == "abort"
+                          and e.get("stall_id") in ids})  # fmt: skip
         hangs.append(
             {
                 **verdict,
@@ -220,6 +223,7 @@ def hangs_from_events(
                 "evidence": "store" if heard_all else "local",
                 "recovered": bool(recovered),
                 "stacks": _culprit_stacks(culprit_events, events, verdict["culprit_ranks"], first),
+                **({"aborted_ranks": aborted} if aborted else {}),  # ended by the hang policy (``on_hang``)
             }
         )
     shutdown = _shutdown_hang(events, world_size, last_steps or {})
@@ -241,7 +245,7 @@ def _recovered(group: list[dict[str, Any]], events: list[dict[str, Any]]) -> boo
     ids = {x.get("id") for x in group}
     ends = {}
     for e in events:
-        if e.get("kind") in ("exception", "sigterm"):
+        if e.get("kind") in ("exception", "sigterm") or (e.get("kind") == "action" and e.get("action") == "abort"):
             ends.setdefault(int(e["rank"]), []).append(e.get("detected_at", 0.0))
     moved = {int(e["rank"]) for e in events if e.get("kind") == "recovery" and e.get("stall_id") in ids
              and not any(abs(t - e.get("detected_at", 0.0)) <= _UNWIND_S for t in ends.get(int(e["rank"]), []))}

@@ -31,6 +31,7 @@ from stragglerwatch.analysis.explain import StepTimes, explain, prepare, span, s
 from stragglerwatch.analysis.hangs import hangs_from_events
 from stragglerwatch.analysis.imbalance import Imbalance
 from stragglerwatch.analysis.imbalance import advice as imbalance_advice
+from stragglerwatch.analysis.policy import actions_from_events
 from stragglerwatch.analysis.reportschema import (
     REPORT_SCHEMA,
     Attempt,
@@ -252,6 +253,7 @@ def finish(
     report.run_dir = str(path)
     events, bad = read_events(path)
     report.hangs = hangs_from_events(events, report.world_size or 0, last)
+    report.actions = actions_from_events(events)
     _native_dumps(path, report.hangs)
     report.events = Events(len(events), bad)
     report.attempts = [Attempt(**a) for a in plan.attempts]

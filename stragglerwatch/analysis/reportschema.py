@@ -162,6 +162,7 @@ class Report:
     flight_recorder: dict[str, Any] | None = None  # with Flight Recorder dumps: ``flightrec.analyze_dumps``
     hang_verdict: dict[str, Any] | None = None  # ``hangverdict.reconcile`` over every source
     imbalance: ImbalanceEntry | None = None  # None: no work per step was recorded
+    actions: list[dict[str, Any]] = field(default_factory=list)  # the policies' (``policy.actions_from_events``)
     extra: dict[str, Any] = field(default_factory=dict)  # an op-level trace's what-if
     schema: str = REPORT_SCHEMA
 

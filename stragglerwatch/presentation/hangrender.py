@@ -1,4 +1,5 @@
-"""Text of the Flight Recorder analysis and of the reconciled hang verdict (``analyze``'s text and HTML)."""
+"""Text of the Flight Recorder analysis, of the reconciled hang verdict and of the policies' actions
+(``analyze``'s text and HTML, the dashboard)."""
 
 from __future__ import annotations
 
@@ -75,4 +76,35 @@ def flight_recorder_lines(report: dict[str, Any], most: int = 8) -> list[str]:
         lines.append("  last completed collective: " + "; ".join(
             f"rank {r} #{c['seq']} {c['op'] or ''}".rstrip() + (early if c["before_all_entered"] else "")
             for r, c in list(last.items())[:most]) + (" ..." if len(last) > most else ""))  # fmt: skip
+    return lines
+
+
+def action_line(a: dict[str, Any]) -> str:
+    """One sentence on an action of the policies (``on_hang``, ``on_straggler``)."""
+    when = f" (restart {a['restart']})" if a.get("restart") else ""
+    if a.get("action") == "abort":
+        culprits = ranks_text(a.get("culprit_ranks") or []) or "none identified"
+        return (f"hang policy: rank {a.get('rank')}{when} left the job (exit status {a.get('exit_status')}) "
+                f"{a.get('stalled_s', 0):.0f} s into a stall whose culprit was rank(s) {culprits}")
+    v = a.get("verdict") or {}
+    done = ", ".join(a.get("done") or []) or "no action succeeded"
+    where = f" into {a['exclude_file']}" if a.get("exclude_file") else ""
+    return (f"straggler policy{when}: rank {v.get('rank')} on {v.get('host') or 'an unknown host'} ({v.get('cause')}, "
+            f"{v.get('slowdown')}x for {v.get('flagged_s')} s from step {v.get('since_step')}): {done}{where}")
+
+
+def action_lines(report: dict[str, Any]) -> list[str]:
+    """The policies' actions: the aborts of one stall in one line, each straggler action in its own."""
+    actions = report.get("actions") or []
+    aborts: dict[Any, list[dict[str, Any]]] = {}
+    lines = []
+    for a in actions:
+        if a.get("action") == "abort":
+            aborts.setdefault((a.get("restart"), a.get("culprit_ranks") and tuple(a["culprit_ranks"])), []).append(a)
+        else:
+            lines.append(action_line(a))
+    for group in aborts.values():
+        ranks = ranks_text(sorted({int(a["rank"]) for a in group}))
+        first = group[0]
+        lines.insert(0, action_line(first).replace(f"rank {first.get('rank')}", f"rank(s) {ranks}", 1))
     return lines

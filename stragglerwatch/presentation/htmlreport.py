@@ -14,7 +14,11 @@ require("the HTML report (analyze --format html)", "plotly")
 from stragglerwatch.analysis.report import Analysis  # noqa: E402
 from stragglerwatch.presentation import figures  # noqa: E402
 from stragglerwatch.presentation.ctxfigure import context_figure  # noqa: E402
-from stragglerwatch.presentation.hangrender import flight_recorder_lines, hang_verdict_lines  # noqa: E402
+from stragglerwatch.presentation.hangrender import (  # noqa: E402
+    action_line,
+    flight_recorder_lines,
+    hang_verdict_lines,
+)
 from stragglerwatch.presentation.render import (  # noqa: E402
     code_text,
     context_text,
@@ -50,7 +54,7 @@ def render_html(analysis: Analysis) -> str:
     report, mat, verdict = analysis.report, analysis.matrix, analysis.verdict
     imbalance = report.get("imbalance")
     ok = not (report["stragglers"] or report["hangs"] or report["group_imbalance"] or report.get("busy_unavailable")
-              or (imbalance and imbalance["detected"]))  # fmt: skip
+              or (imbalance and imbalance["detected"]) or report.get("actions"))  # fmt: skip
     verdict_html = "".join(f"<p>{html.escape(line)}</p>" for line in verdict_lines(report))
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
@@ -91,6 +95,9 @@ def render_html(analysis: Analysis) -> str:
                 for thread, stack in stacks.items():
                     parts.append(f"<details><summary>rank {rank}: {html.escape(thread)}</summary>")
                     parts.append(f"<pre>{html.escape(stack)}</pre></details>")
+    if report.get("actions"):
+        parts.append("<h2>Actions of the policies</h2>")
+        parts += [f"<p>{html.escape(action_line(a))}</p>" for a in report["actions"]]
     evidence = hang_verdict_lines(report) + flight_recorder_lines(report)
     if evidence:
         parts.append("<h2>Hang verdict and PyTorch's evidence</h2>")

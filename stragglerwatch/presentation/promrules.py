@@ -14,7 +14,8 @@ Recording rules (all by ``run``, ``rank``):
 Alerts: ``StragglerRank`` (ratio over a threshold for ``for``; the cause phase in
 the ``cause`` annotation; never for a run some rank of which cannot measure its busy
 time, ``stragglerwatch_busy_unavailable``), ``TrainingStalled`` (no step for far longer than
-usual), ``WatchdogTimeout`` (a rank's watchdog saw a stall).
+usual), ``WatchdogTimeout`` (a rank's watchdog saw a stall), ``StragglerAction`` (the straggler
+policy acted on a rank: its host, for routing).
 """
 
 from __future__ import annotations
@@ -91,6 +92,12 @@ groups:
           severity: warning
         annotations:
           summary: 'The watchdog of rank {{{{ $labels.rank }}}} (run {{{{ $labels.run }}}}) saw a stall'
+      - alert: StragglerAction
+        expr: stragglerwatch_straggler_action == 1
+        labels:
+          severity: critical
+        annotations:
+          summary: 'The straggler policy of run {{{{ $labels.run }}}} acted on rank {{{{ $labels.straggler_rank }}}} ({{{{ $labels.cause }}}}): drain host {{{{ $labels.host }}}}'
 """
 
 

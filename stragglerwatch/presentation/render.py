@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from stragglerwatch.analysis.codeprofile import NO_SAMPLES, describe_site
-from stragglerwatch.presentation.hangrender import flight_recorder_lines, hang_verdict_lines
+from stragglerwatch.presentation.hangrender import action_lines, flight_recorder_lines, hang_verdict_lines
 
 MAX_TABLE_ROWS = 16
 
@@ -81,6 +81,7 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
     lines += imbalance_lines(report)
     for h in report.get("hangs", []):
         lines.append(hang_line(h))
+    lines += action_lines(report)
     if report["communication_bound"]:
         lines.append(
             f"communication-bound: even the busiest rank waits {report['comm_fraction']:.0%} of each step "
@@ -190,7 +191,9 @@ def hang_line(h: dict[str, Any]) -> str:
         text += "; the culprits are themselves blocked in a collective: one the others never issue (mismatch)?"
     if h.get("waited_s"):
         text += f"; noticed after {h['waited_s']:.1f} s"
-    if h.get("ended"):
+    if h.get("aborted_ranks"):
+        text += f"; ended by the hang policy on rank(s) {_ranks(h['aborted_ranks'])}"
+    elif h.get("ended"):
         reason = (h["ended"].get("reasons") or ["?"])[0]
         text += f"; the job went down while it lasted ({reason[:120]})"
     elif h.get("evidence") != "shutdown":

@@ -97,7 +97,7 @@ def banner(snapshot: Snapshot, source_label: str) -> tuple[list[Any], dict[str, 
             text.append(html.Div(f"Last refresh failed: {snapshot.error}"))
         return text, WAIT_STYLE
     lines = verdict_lines(report)
-    alert = bool(report["stragglers"] or report["hangs"] or report["group_imbalance"])
+    alert = bool(report["stragglers"] or report["hangs"] or report["group_imbalance"] or report.get("actions"))
     children: list[Any] = [html.Div(line) for line in lines]
     if snapshot.error:
         children.append(html.Div(f"Last refresh failed (showing earlier data): {snapshot.error}"))

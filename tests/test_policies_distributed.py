@@ -1,0 +1,85 @@
+"""The policies on real gloo jobs: a hang ended by ``on_hang="abort"`` and the job restarted by
+``torchrun --max-restarts 1``; a stall that recovers left alone; ``on_straggler`` acting once on a real
+straggler and never on a healthy job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, analyze_json, launch, torchrun
+
+pytestmark = pytest.mark.distributed
+
+WORKER = ROOT / "tests" / "workers" / "policies.py"
+#: torchrun shares its rendezvous store with the workers across restarts, and a restarted gloo group can
+#: read the previous attempt's addresses (pytorch/pytorch#135712): what the docs tell users to set.
+RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+ABORT = {"STRAGGLERWATCH_ON_HANG": "abort", "STRAGGLERWATCH_HANG_ABORT_S": "4"}
+
+
+def _time(path: Path) -> float:
+    return float(path.read_text())
+
+
+@pytest.mark.parametrize("handler, stuck", [("after", "data"), ("before", "other")])
+def test_a_hang_ends_every_rank_and_the_job_restarts(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     handler: str, stuck: str) -> None:  # fmt: skip
+    """Rank 1 stops making progress in a Python sleep (in its marked data fetch, or outside any phase);
+    rank 0 waits for it in the gradient all-reduce. With a 2 s watchdog and a 4 s bound both ranks run the
+    application's checkpoint handler and exit 75, and torchrun's restart trains to the end."""
+    out = tmp_path / "out"
+    proc = torchrun(2, WORKER, "hang", str(out), "--handler", handler, "--stuck", stuck, timeout_s=150,
+                    env={**RESTARTABLE, **ABORT}, launcher=("--max-restarts", "1"))  # fmt: skip
+    assert "(exitcode: 75)" in proc.stderr + proc.stdout
+    assert (out / "done-1-0").exists() and (out / "done-1-1").exists(), "the restarted attempt trained to the end"
+    assert (out / "ckpt-0-0").exists() and (out / "ckpt-0-1").exists(), "both ranks ran the checkpoint handler"
+    hang = _time(out / "hang-1")
+    restarted = max(_time(out / f"first-1-{r}") for r in (0, 1))
+    # detection 2 s + diagnosis 2 s + the bound 4 s + a restart (two interpreters importing torch on 2 cores)
+    assert restarted - hang < 45, f"the restarted job's first step came {restarted - hang:.1f} s after the hang"
+    report = analyze_json(out / "run", capsys)
+    (h,) = report["hangs"]
+    assert h["culprit_ranks"] == [1] and h["aborted_ranks"] == [0, 1] and not h["recovered"]
+    aborts = [a for a in report["actions"] if a["action"] == "abort"]
+    assert sorted(a["rank"] for a in aborts) == [0, 1]
+    assert all(a["exit_status"] == 75 and a["culprit_ranks"] == [1] and a["restart"] == 0 for a in aborts)
+    assert [a["restart"] for a in report["attempts"]] == [0, 1]
+
+
+def test_a_stall_that_recovers_before_the_bound_is_left_alone(tmp_path: Path) -> None:
+    """Rank 1 pauses 4.5 s: the stall is noticed (2 s) and diagnosed (4 s), and ends before the abort
+    (6 s): no action, the job trains to the end."""
+    out = tmp_path / "out"
+    launch(2, WORKER, "recover", str(out), "--pause", "4.5", timeout_s=120, env=ABORT)
+    assert json.loads((out / "done-0-0").read_text()) == {} and json.loads((out / "done-0-1").read_text()) == {}
+    events = [json.loads(line) for f in sorted((out / "run").glob("events-*.jsonl")) for line in f.open()]
+    kinds = [e["kind"] for e in events]
+    assert "stall" in kinds and "recovery" in kinds and "action" not in kinds
+
+
+@pytest.mark.parametrize("slow_rank", [2, -1])
+def test_the_straggler_policy_acts_once_on_a_straggler_and_never_on_a_healthy_job(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], slow_rank: int
+) -> None:
+    """3 ranks, 400 steps; rank 2 sleeps 20 ms in every forward from step 10 (or no rank does). Rank 0's
+    policy (``straggler_after_s`` 2, checked every second) writes the exclusion files and calls the
+    application's action once; the healthy job gets none, and no file."""
+    out = tmp_path / "out"
+    launch(3, WORKER, "straggler", str(out), "--steps", "400", "--slow-rank", str(slow_rank), "--slowdown", "0.02",
+           timeout_s=180, env={"STRAGGLERWATCH_STRAGGLER_AFTER_S": "2"})  # fmt: skip
+    run = out / "run"
+    report = analyze_json(run, capsys)
+    if slow_rank < 0:
+        assert not (out / "verdicts.jsonl").exists() and not (run / "excluded-hosts.txt").exists()
+        assert report["actions"] == [] and json.loads((out / "done-0-0").read_text()) == {}
+        return
+    (verdict,) = [json.loads(line) for line in (out / "verdicts.jsonl").read_text().splitlines()]
+    host = report["ranks"][2]["host"]
+    assert (verdict["rank"], verdict["cause"], verdict["host"]) == (2, "compute", host)
+    assert verdict["flagged_s"] >= 2 and verdict["slowdown"] >= 1.15 and verdict["since_step"] <= 14
+    assert (run / "excluded-hosts.txt").read_text() == f"{host}\n"
+    (action,) = report["actions"]
+    assert action["action"] == "straggler" and action["done"] == ["exclude", "main.<locals>.note"]
+    assert json.loads((out / "done-0-0").read_text()) == {"straggler": 1}
