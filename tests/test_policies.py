@@ -248,3 +248,58 @@ def test_the_policy_says_when_it_cannot_see_every_rank(tmp_path: Path, caplog: p
     with caplog.at_level("WARNING", logger="stragglerwatch"):
         assert policy.check() == []
     assert "reads 4 of 16 ranks' logs" in caplog.text
+
+
+# -- where an action is shown -------------------------------------------------------------------------
+
+
+def test_actions_are_shown_in_the_report_the_html_and_the_dashboard(tmp_path: Path) -> None:
+    from stragglerwatch.analysis.report import analyze_run
+    from stragglerwatch.presentation.dashboard import Snapshot
+    from stragglerwatch.presentation.dashboard.app import ALERT_STYLE, banner
+    from stragglerwatch.presentation.htmlreport import render_html
+    from stragglerwatch.presentation.render import render_text
+
+    run = write_run(tmp_path / "run", SimConfig(ranks=4, steps=100, seed=2))
+    verdict = {"rank": 2, "host": "node07", "cause": "data", "since_step": 20, "flagged_s": 400.0, "slowdown": 1.3}
+    for rank in (0, 1):
+        EventFile(run / f"events-{rank:05d}.jsonl").write(
+            {"kind": "action", "action": "abort", "rank": rank, "step": 90, "detected_at": 1000.0 + rank,
+             "stall_id": "1-90-990", "culprit_ranks": [1], "stalled_s": 8.2, "exit_status": 75,
+             "restart": 0})  # fmt: skip
+    EventFile(run / "events-00000.jsonl").write(
+        {"kind": "action", "action": "straggler", "rank": 0, "straggler_rank": 2, "step": 20, "detected_at": 900.0,
+         "verdict": verdict, "done": ["exclude"], "exclude_file": "/shared/excluded-hosts.txt",
+         "restart": 0})  # fmt: skip
+    analysis = analyze_run(run)
+    assert [a["action"] for a in analysis.report["actions"]] == ["straggler", "abort", "abort"]
+    text = render_text(analysis.report, width=200)
+    assert ("hang policy: rank(s) 0, 1 left the job (exit status 75) 8 s into a stall whose culprit was rank(s) 1"
+            in text)  # fmt: skip
+    assert ("straggler policy: rank 2 on node07 (data, 1.3x for 400.0 s from step 20): exclude into "
+            "/shared/excluded-hosts.txt") in text
+    assert "<h2>Actions of the policies</h2>" in render_html(analysis)
+    children, style = banner(Snapshot(analysis), "sim")
+    shown = " ".join(str(c.children) for c in children)
+    assert "straggler policy: rank 2 on node07" in shown and "hang policy: rank(s) 0, 1" in shown
+    assert style == ALERT_STYLE
+
+
+def test_the_exporter_serves_the_actions_only_with_a_policy_on(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from stragglerwatch.record.rundir import RunInfo
+    from stragglerwatch.runtime.exporter import RankCollector, RankMetrics
+
+    def scrape(policy) -> str:
+        registry = CollectorRegistry()
+        registry.register(RankCollector(RankMetrics(), RunInfo("r", tmp_path, 0, 0, 4, "node-0"), policy=policy))
+        return generate_latest(registry).decode()
+
+    assert "policy_actions" not in scrape(None) and "straggler_action" not in scrape(None)  # the default series
+    acted = [{"rank": 3, "host": "node07", "cause": "compute"}]
+    text = scrape(lambda: ({"straggler": 1}, acted))
+    assert 'stragglerwatch_policy_actions_total{action="straggler",rank="0",run="r"} 1.0' in text
+    assert 'stragglerwatch_policy_actions_total{action="abort",rank="0",run="r"} 0.0' in text
+    assert ('stragglerwatch_straggler_action{cause="compute",host="node07",rank="0",run="r",straggler_rank="3"} 1.0'
+            in text)  # fmt: skip

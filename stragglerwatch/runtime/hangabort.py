@@ -22,8 +22,10 @@ threshold) bounds the time from the rank's diagnosis to its exit:
    (``Watch._at_exit``), so that ``torchrun --max-restarts`` counts the rank as failed and restarts the
    group.
 
-A rank stuck in native code holding the GIL cannot run this thread: its peers leave, and the launcher
-stops it (torchrun sends SIGTERM, then SIGKILL).
+A rank stuck in native code holding the GIL runs none of this (no Python thread runs); for it the watchdog
+keeps ``faulthandler``'s timer armed with ``exit=True`` and its threshold + 2 s + the bound
+(``nativestacks.py``): its stacks are dumped and it ends with status 1 about when its peers leave,
+instead of waiting for its launcher's SIGKILL (torchrun's comes 30 s after its SIGTERM).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ re-arms while it can; when the timer fires, every thread's stack goes to ``stack
 from __future__ import annotations
 
 import faulthandler
+import os
 import threading
 import time
 from pathlib import Path
@@ -30,11 +31,15 @@ class NativeStacks:
         self._file: Any = None
         self._armed_at = -1e9
         self._timeout_s: float | None = None  # the timer armed now, if any
+        self._exit = False  # the timer also ends the process (``on_hang="abort"``)
         self._seen = 0
         self._lock = threading.Lock()
         self._rearm: float | None = None
 
-    def arm(self, timeout_s: float) -> None:
+    def arm(self, timeout_s: float, exit: bool = False) -> None:
+        """Dump every thread's stack if not armed again within ``timeout_s``; with ``exit``, then end the
+        process with status 1 (faulthandler's): for ``on_hang="abort"``, a rank stuck in native code holding
+        the GIL cannot run anything of ours, and would otherwise wait for its launcher's SIGKILL."""
         with self._lock:
             now = time.monotonic()
             if now - self._armed_at < 1.0:
@@ -42,13 +47,13 @@ class NativeStacks:
             if self._file is None:
                 self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - faulthandler writes to its fd
                 self._seen = self.path.stat().st_size
-            faulthandler.dump_traceback_later(timeout_s, repeat=False, file=self._file, exit=False)
-            self._armed_at, self._timeout_s = now, timeout_s
+            faulthandler.dump_traceback_later(timeout_s, repeat=False, file=self._file, exit=exit)
+            self._armed_at, self._timeout_s, self._exit = now, timeout_s, exit
 
     def collect(self) -> str | None:
         if self._file is None:
             return None
-        size = self.path.stat().st_size
+        size = os.fstat(self._file.fileno()).st_size  # the open file: no path lookup on the run dir's filesystem
         if size <= self._seen:
             return None
         with open(self.path, encoding="utf-8", errors="replace") as f:
@@ -82,7 +87,7 @@ class NativeStacks:
     def after_fork_in_parent(self) -> None:
         try:
             if self._rearm is not None and self._file is not None:
-                faulthandler.dump_traceback_later(self._rearm, repeat=False, file=self._file, exit=False)
+                faulthandler.dump_traceback_later(self._rearm, repeat=False, file=self._file, exit=self._exit)
                 self._armed_at, self._timeout_s = time.monotonic(), self._rearm
         finally:
             self._lock.release()

@@ -170,7 +170,11 @@ class Watchdog:
         if dumped:
             dumped = dumped[-20000:]
             self._event("native_stacks", stacks={"faulthandler": dumped})
-        self.native.arm(self.threshold() + 2.0)
+        threshold = self.threshold()
+        if self.abort is None:
+            self.native.arm(threshold + 2.0)
+        else:  # on_hang="abort": a rank holding the GIL past its bound ends itself, its stacks dumped first
+            self.native.arm(threshold + 2.0 + self.abort.bound(threshold), exit=True)
         return dumped or None
 
     def _wait(self) -> None:

@@ -7,8 +7,9 @@ attached; what the test checks goes into OUT_DIR:
   progress at step ``--hang-step`` (a Python sleep in its data fetch: ``--stuck data``; or outside any
   phase the probe knows, ``--stuck other``); every attempt writes ``first-<restart>-<rank>`` (the time of its
   first finished step) and ``done-<restart>-<rank>`` at the end; the culprit writes ``hang-<rank>`` (when it
-  stopped). ``--handler before|after|none``: the application's SIGTERM handler, installed before or after
-  attach, writes ``ckpt-<restart>-<rank>`` and calls ``sys.exit(0)``;
+  stopped). ``--stuck native``: in native code holding the GIL (a libc ``sleep``), where no Python runs.
+  ``--handler before|after|none``: the application's SIGTERM handler, installed before or after attach,
+  writes ``ckpt-<restart>-<rank>`` and calls ``sys.exit(0)``;
 - ``recover``: rank 1 pauses ``--pause`` seconds at step ``--hang-step``, then goes on;
 - ``straggler``: rank ``--slow-rank`` (none: -1) sleeps ``--slowdown`` seconds in every forward from step
   10; rank 0's ``on_straggler`` action appends each verdict to ``verdicts.jsonl``.
@@ -19,6 +20,7 @@ Settings of the policies come from the environment (``STRAGGLERWATCH_ON_HANG`` a
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -42,7 +44,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--culprit", type=int, default=1)
     p.add_argument("--hang-step", type=int, default=8)
-    p.add_argument("--stuck", choices=("data", "other"), default="data")
+    p.add_argument("--stuck", choices=("data", "other", "native"), default="data")
     p.add_argument("--handler", choices=("before", "after", "none"), default="none")
     p.add_argument("--pause", type=float, default=3.0)
     p.add_argument("--slow-rank", type=int, default=-1)
@@ -103,6 +105,8 @@ def main() -> None:
         stuck_here = args.mode == "hang" and restart == 0 and rank == args.culprit and step == args.hang_step
         if stuck_here:
             (args.out / f"hang-{rank}").write_text(repr(time.time()))
+            if args.stuck == "native":  # libc sleep() without releasing the GIL: no Python thread runs
+                ctypes.PyDLL(None).sleep(3600)
             while True:
                 time.sleep(1.0)  # stopped making progress, in Python: its SIGTERM handler can run
         if args.mode == "recover" and rank == 1 and step == args.hang_step:
