@@ -239,6 +239,9 @@ def test_the_policy_acts_once_per_episode_and_survives_a_failing_action(tmp_path
     (ev,) = [e for e in events if e["kind"] == "action"]
     assert bad == 0 and ev["straggler_rank"] == 5 and ev["done"] == ["exclude", "list.append"]
     assert json.loads(json.dumps(ev["verdict"])) == v
+    restarted = StragglerPolicy(run, replace(ActRule(), after_s=0.0), [told.append],
+                                EventFile(run / "events-00000.jsonl"), world_size=8, problems=Problems())  # fmt: skip
+    assert restarted.check() == [] and told == [v]  # a restarted job does not act on the same episode again
 
 
 def test_the_policy_says_when_it_cannot_see_every_rank(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

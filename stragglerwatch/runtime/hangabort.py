@@ -87,17 +87,20 @@ def abort_process_groups(timeout_s: float = ABORT_WAIT_S) -> str:
                 nccl = backend
         except Exception:
             nccl = None
-        if nccl is not None:  # one group call for all communicators: their aborts cannot deadlock each other
-            nccl._group_start()
         aborted = 0
-        for pg in groups:
-            try:
-                pg.abort()
-                aborted += 1
-            except Exception as exc:
-                outcome.append(f"{type(exc).__name__}: {exc}"[:200])
-        if nccl is not None:
-            nccl._group_end()
+        try:
+            if nccl is not None:  # one group call for all communicators: their aborts cannot deadlock each other
+                nccl._group_start()
+            for pg in groups:
+                try:
+                    pg.abort()
+                    aborted += 1
+                except Exception as exc:
+                    outcome.append(f"{type(exc).__name__}: {exc}"[:200])
+            if nccl is not None:
+                nccl._group_end()
+        except Exception as exc:
+            outcome.append(f"{type(exc).__name__}: {exc}"[:200])
         outcome.insert(0, f"aborted {aborted} of {len(groups)} process group(s)")
 
     worker = threading.Thread(target=run, name="stragglerwatch-abort", daemon=True)

@@ -2,9 +2,10 @@
 
 Design: a thread of rank 0's (no other rank runs one) follows the run dir every ``policy_interval_s``
 with the live analysis the dashboard uses (``analysis.live.LiveRun``: only what is new is read), and
-asks the pure rule (``analysis.policy.due``) which verdicts to act on. For each, it records an
-``action`` event in rank 0's events file, then runs the actions in turn: ``"exclude"`` writes the
-straggler's host into the exclusion files (:func:`write_exclusion`), a callable receives the verdict.
+asks the pure rule (``analysis.policy.due``) which verdicts to act on. For each, it runs the actions in
+turn (``"exclude"`` writes the straggler's host into the exclusion files, :func:`write_exclusion`; a
+callable receives the verdict), then records an ``action`` event in rank 0's events file with what was
+done. The episodes an earlier attempt acted on (its events) are not acted on again after a restart.
 Nothing here runs on the training thread, and an action that raises or a file that cannot be written is
 one log line and a counter. The thread sees the ranks whose logs reach rank 0's run dir: on several
 nodes the run dir must be shared (as for ``analyze`` while the job runs); fewer ranks than the world
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stragglerwatch.analysis.policy import ActRule, due, episode, slurm_hostlist
-from stragglerwatch.record.events import EventFile
+from stragglerwatch.record.events import EventFile, read_events
 from stragglerwatch.runtime.log import LOGGER, Problems
 
 if TYPE_CHECKING:  # the analysis (pandas) is imported by the thread, on rank 0 with a policy only
@@ -57,6 +58,18 @@ def write_exclusion(path: Path, host: str) -> list[str]:
     _replace(path, "".join(f"{h}\n" for h in hosts))
     _replace(path.with_name(path.name + SLURM_SUFFIX), slurm_hostlist(hosts) + "\n")
     return hosts
+
+
+def acted_before(run_dir: Path) -> set[tuple[int, int]]:
+    """The episodes an earlier attempt of the run acted on (its ``action`` events): a restarted job does
+    not act again on a straggler it acted on before the restart (steps are numbered on across attempts)."""
+    events, _ = read_events(run_dir)
+    out = set()
+    for e in events:
+        verdict = e.get("verdict") if e.get("kind") == "action" and e.get("action") == "straggler" else None
+        if isinstance(verdict, dict) and "rank" in verdict and "since_step" in verdict:
+            out.add((int(verdict["rank"]), int(verdict["since_step"])))
+    return out
 
 
 class StragglerPolicy:
@@ -102,6 +115,7 @@ class StragglerPolicy:
             from stragglerwatch.analysis.live import LiveRun
 
             self._live = LiveRun(self.run_dir)
+            self._done |= acted_before(self.run_dir)
         if not self._live.update() and self.checks > 1:
             return []
         report = self._live.analysis.report
