@@ -17,7 +17,7 @@ from stragglerwatch.analysis.policy import ActRule, actions_from_events, due, sl
 from stragglerwatch.record.events import EventFile, read_events
 from stragglerwatch.record.simulate import Injection, SimConfig, write_run
 from stragglerwatch.runtime.config import Config, ConfigError
-from stragglerwatch.runtime.hangabort import HANG_EXIT_STATUS, HangAbort, restart_caveat
+from stragglerwatch.runtime.hangabort import HANG_EXIT_STATUS, HangAbort, forget_group_keys, restart_caveat
 from stragglerwatch.runtime.log import Problems
 from stragglerwatch.runtime.stragglerpolicy import StragglerPolicy, read_hosts, write_exclusion
 
@@ -195,18 +195,19 @@ def test_the_abort_waits_half_the_bound_records_first_then_ends_at_the_bound() -
     stopped = threading.Event()
     abort = HangAbort(4.0, terminate=lambda: calls.append(("terminate",)) or "ours", stopped=stopped,
                       abort=lambda: calls.append(("abort",)) or "aborted 1 of 1",
-                      exit=lambda s: calls.append(("exit", s)))  # fmt: skip
+                      exit=lambda s: calls.append(("exit", s)),
+                      forget=lambda: calls.append(("forget",)) or "")  # fmt: skip
     assert not abort.due(100.0, 10.0, 101.9) and abort.due(100.0, 10.0, 102.0)
     assert HangAbort(None, lambda: "", stopped).bound(10.0) == 20.0  # default: twice the threshold
     abort.run(100.0, 10.0, 103.95, lambda **f: calls.append(("record", f)))
-    assert [c[0] for c in calls] == ["record", "terminate", "abort", "exit"]
+    assert [c[0] for c in calls] == ["record", "forget", "terminate", "abort", "exit"]
     assert calls[0][1] == {"exit_status": HANG_EXIT_STATUS, "bound_s": 4.0, "exit_within_s": 0.05}
     assert calls[-1] == ("exit", 75) and not abort.due(100.0, 10.0, 200.0)  # once
     calls.clear()
     closing = threading.Event()
     closing.set()  # the Watch closed: the process is ending by itself, its status set by the exit hook
-    HangAbort(4.0, lambda: "ours", closing, abort=lambda: "", exit=lambda s: calls.append(("exit", s))).run(
-        100.0, 10.0, 102.0, lambda **f: None)
+    HangAbort(4.0, lambda: "ours", closing, abort=lambda: "", exit=lambda s: calls.append(("exit", s)),
+              forget=lambda: "").run(100.0, 10.0, 102.0, lambda **f: None)
     assert calls == []
 
 
@@ -216,6 +217,28 @@ def test_the_restart_caveat_of_torchrun_s_shared_store_is_said() -> None:
     assert restart_caveat({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None  # the variable set
     assert restart_caveat({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None  # nothing to restart
     assert restart_caveat({}) is None
+
+
+def test_the_process_group_keys_are_deleted_from_a_shared_store_only(one_rank_group) -> None:
+    """Under torchrun's shared store the keys the group formed with would be read by the restarted group:
+    the abort deletes them (the group itself goes on: they serve only its forming); other keys stay."""
+    import torch
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    store.set("stragglerwatch/run/where/0", "{}")
+    group_keys = [k for k in store.list_keys() if k.startswith("default_pg/")]
+    assert group_keys, store.list_keys()
+    assert forget_group_keys({}) == "the store is not shared across restarts"
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert forget_group_keys(shared) == f"{len(group_keys)} process-group key(s) deleted"
+    assert [k for k in store.list_keys() if k.startswith("default_pg/")] == []
+    assert "stragglerwatch/run/where/0" in store.list_keys()
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert t.tolist() == [1.0, 1.0]
 
 
 # -- rank 0's policy thread ---------------------------------------------------------------------------

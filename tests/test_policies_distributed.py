@@ -16,35 +16,44 @@ WORKER = ROOT / "tests" / "workers" / "policies.py"
 #: torchrun shares its rendezvous store with the workers across restarts, and a restarted gloo group can
 #: read the previous attempt's addresses (pytorch/pytorch#135712): what the docs tell users to set.
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-ABORT = {"STRAGGLERWATCH_ON_HANG": "abort", "STRAGGLERWATCH_HANG_ABORT_S": "4"}
+#: A 6 s bound: the abort 3 s after the diagnosis, 3 s for the handlers (a gloo victim's runs once the
+#: culprit's process has ended), then the exit.
+ABORT = {"STRAGGLERWATCH_ON_HANG": "abort", "STRAGGLERWATCH_HANG_ABORT_S": "6"}
 
 
 def _time(path: Path) -> float:
     return float(path.read_text())
 
 
-@pytest.mark.parametrize("handler, stuck", [("after", "data"), ("before", "other"), ("after", "native")])
+@pytest.mark.parametrize("handler, stuck, shared", [("after", "data", True), ("before", "other", False),
+                                                    ("after", "native", False)])  # fmt: skip
 def test_a_hang_ends_every_rank_and_the_job_restarts(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                     handler: str, stuck: str) -> None:  # fmt: skip
+                                                     handler: str, stuck: str, shared: bool) -> None:  # fmt: skip
     """Rank 1 stops making progress: in a Python sleep (in its marked data fetch, or outside any phase), or
     in native code holding the GIL; rank 0 waits for it in the gradient all-reduce. With a 2 s watchdog and
-    a 4 s bound, every rank that can run Python runs the application's checkpoint handler and exits 75;
-    the one holding the GIL is ended by faulthandler's timer (status 1); torchrun's restart trains to the end."""
+    a 6 s bound, every rank that can run Python runs the application's checkpoint handler and exits 75;
+    the one holding the GIL is ended by faulthandler's timer (status 1); torchrun's restart trains to the end.
+    ``shared``: torchrun's store shared across restarts (its default), where the restart relies on the
+    policy deleting the group's keys; else ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as the docs advise."""
     out = tmp_path / "out"
     proc = torchrun(2, WORKER, "hang", str(out), "--handler", handler, "--stuck", stuck, timeout_s=150,
-                    env={**RESTARTABLE, **ABORT}, launcher=("--max-restarts", "1"))  # fmt: skip
+                    env={**({} if shared else RESTARTABLE), **ABORT}, launcher=("--max-restarts", "1"))  # fmt: skip
     native = stuck == "native"
-    assert f"(exitcode: {1 if native else 75})" in proc.stderr + proc.stdout
-    assert (out / "done-1-0").exists() and (out / "done-1-1").exists(), "the restarted attempt trained to the end"
+    said = proc.stderr[-4000:]  # what torchrun and the ranks said, for a failure's message
+    # torchrun names the first exit it sees: with the culprit in native code both end at about the bound
+    assert any(f"(exitcode: {code})" in proc.stderr + proc.stdout for code in ((1, 75) if native else (75,))), said
+    assert (out / "done-1-0").exists() and (out / "done-1-1").exists(), f"the restart did not finish:\n{said}"
     handled = [0] if native else [0, 1]
-    assert sorted(int(p.name.split("-")[2]) for p in out.glob("ckpt-0-*")) == handled, "the checkpoint handlers ran"
+    ckpts = sorted(int(p.name.split("-")[2]) for p in out.glob("ckpt-0-*"))
+    assert ckpts == handled, f"the checkpoint handlers of {ckpts} ran:\n{said}"
     hang = _time(out / "hang-1")
     restarted = max(_time(out / f"first-1-{r}") for r in (0, 1))
-    # detection 2 s + diagnosis 2 s + the bound 4 s + a restart (two interpreters importing torch on 2 cores)
+    # detection 2 s + diagnosis 2 s + the bound 6 s + a restart (two interpreters importing torch on 2 cores)
     assert restarted - hang < 45, f"the restarted job's first step came {restarted - hang:.1f} s after the hang"
     report = analyze_json(out / "run", capsys)
-    (h,) = report["hangs"]
-    assert h["culprit_ranks"] == [1] and h["aborted_ranks"] == handled and not h["recovered"]
+    h, *later = report["hangs"]  # later: a slow first step of the restarted job, seen by a 2 s watchdog
+    assert all(x["recovered"] for x in later), report["hangs"]
+    assert h["culprit_ranks"] == [1] and h["aborted_ranks"] == handled and not h["recovered"], h
     aborts = [a for a in report["actions"] if a["action"] == "abort"]
     assert sorted(a["rank"] for a in aborts) == handled
     assert all(a["exit_status"] == 75 and a["culprit_ranks"] == [1] and a["restart"] == 0 for a in aborts)
@@ -55,7 +64,7 @@ def test_a_hang_ends_every_rank_and_the_job_restarts(tmp_path: Path, capsys: pyt
 
 def test_a_stall_that_recovers_before_the_bound_is_left_alone(tmp_path: Path) -> None:
     """Rank 1 pauses 4.5 s: the stall is noticed (2 s) and diagnosed (4 s), and ends before the abort
-    (6 s): no action, the job trains to the end."""
+    (7 s): no action, the job trains to the end."""
     out = tmp_path / "out"
     launch(2, WORKER, "recover", str(out), "--pause", "4.5", timeout_s=120, env=ABORT)
     assert json.loads((out / "done-0-0").read_text()) == {} and json.loads((out / "done-0-1").read_text()) == {}
