@@ -212,8 +212,7 @@ def hangs_from_events(
         first = min(group, key=lambda e: e.get("detected_at", 0.0))
         recovered = _recovered(group, events)
         ids = {e.get("id") for e in group if e.get("kind") == "stall"}
-        aborted = sorted({int(e["rank"]) for e in events if e.get("kind") == "action" and e.get("action") == "abort"
-                          and e.get("stall_id") in ids})  # fmt: skip
+        aborted = sorted({int(e["rank"]) for e in events if _aborted(e) and e.get("stall_id") in ids})
         hangs.append(
             {
                 **verdict,
@@ -239,13 +238,18 @@ def hangs_from_events(
 _UNWIND_S = 5.0  # a "recovery" this close to the rank's exception or SIGTERM is the crash unwinding
 
 
+def _aborted(event: dict[str, Any]) -> bool:
+    """An event of the hang policy ending its rank (``on_hang="abort"``)."""
+    return event.get("kind") == "action" and event.get("action") == "abort"
+
+
 def _recovered(group: list[dict[str, Any]], events: list[dict[str, Any]]) -> bool:
     """Whether the stall ended in progress: a rank moved on, and not because its collective failed
     or it was being torn down (a victim moves on only once the culprit has issued the collective)."""
     ids = {x.get("id") for x in group}
     ends = {}
     for e in events:
-        if e.get("kind") in ("exception", "sigterm") or (e.get("kind") == "action" and e.get("action") == "abort"):
+        if e.get("kind") in ("exception", "sigterm") or _aborted(e):
             ends.setdefault(int(e["rank"]), []).append(e.get("detected_at", 0.0))
     moved = {int(e["rank"]) for e in events if e.get("kind") == "recovery" and e.get("stall_id") in ids
              and not any(abs(t - e.get("detected_at", 0.0)) <= _UNWIND_S for t in ends.get(int(e["rank"]), []))}

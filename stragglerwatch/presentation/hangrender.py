@@ -79,12 +79,14 @@ def flight_recorder_lines(report: dict[str, Any], most: int = 8) -> list[str]:
     return lines
 
 
-def action_line(a: dict[str, Any]) -> str:
-    """One sentence on an action of the policies (``on_hang``, ``on_straggler``)."""
+def action_line(a: dict[str, Any], ranks: list[int] | None = None) -> str:
+    """One sentence on an action of the policies (``on_hang``, ``on_straggler``); ``ranks``: the ranks an
+    abort speaks for (default: its own)."""
     when = f" (restart {a['restart']})" if a.get("restart") else ""
     if a.get("action") == "abort":
         culprits = ranks_text(a.get("culprit_ranks") or []) or "none identified"
-        return (f"hang policy: rank {a.get('rank')}{when} left the job (exit status {a.get('exit_status')}) "
+        who = f"rank(s) {ranks_text(ranks)}" if ranks is not None else f"rank {a.get('rank')}"
+        return (f"hang policy: {who}{when} left the job (exit status {a.get('exit_status')}) "
                 f"{a.get('stalled_s', 0):.0f} s into a stall whose culprit was rank(s) {culprits}")
     v = a.get("verdict") or {}
     done = ", ".join(a.get("done") or []) or "no action succeeded"
@@ -104,7 +106,5 @@ def action_lines(report: dict[str, Any]) -> list[str]:
         else:
             lines.append(action_line(a))
     for group in aborts.values():
-        ranks = ranks_text(sorted({int(a["rank"]) for a in group}))
-        first = group[0]
-        lines.insert(0, action_line(first).replace(f"rank {first.get('rank')}", f"rank(s) {ranks}", 1))
+        lines.insert(0, action_line(group[0], sorted({int(a["rank"]) for a in group})))
     return lines
