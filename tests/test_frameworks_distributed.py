@@ -14,6 +14,7 @@ from conftest import ROOT, check_anatomy, torchrun
 
 import stragglerwatch
 from stragglerwatch.cli.commands import main as cli
+from stragglerwatch.presentation.render import verdict_lines
 
 pytestmark = pytest.mark.distributed
 WORKER = ROOT / "tests" / "workers" / "frameworks.py"
@@ -133,3 +134,45 @@ def test_compiled_ddp_compute_straggler(tmp_path: Path, capsys: pytest.CaptureFi
     assert (df[df["step"] >= 2]["collective_wait_s"] > 0).all(), "the buffer broadcast is seen under compile"
     extra = excess(df, 1, ["forward_s", "backward_s"])
     assert DELAY - 6 * MS < extra < DELAY + 10 * MS, f"the delay counted once: {extra}"
+
+
+@pytest.mark.parametrize("cause", ["compute", "data", None])
+def test_tensor_parallel_mesh_flags_only_the_slow_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       cause: str | None) -> None:  # fmt: skip
+    """FSDP2 on dp x DTensor TP on tp (2 x 2): the slow rank's TP partner waits in DTensor's functional
+    all-reduce, which passes through no ``torch.distributed`` call; it must not be blamed."""
+    args = ("--slow-rank", "3", "--cause", cause) if cause else ()
+    run, df = run_job(tmp_path, "tp", *args, nproc=4, steps=28)
+    r = report(run, capsys)
+    if cause is None:
+        assert r["stragglers"] == [] and r["busy_unavailable"] == [], r["stragglers"]
+        return
+    only_straggler(r, 3, cause)
+    partner = df[(df["step"] >= 12) & (df["rank"] == 2)]
+    assert partner["collective_wait_s"].median() > DELAY / 3, "the TP partner's wait is counted as communication"
+    assert r["arrivals"]["cleared"] == [], "eager TP needs no clearing: every wait was bracketed"
+    last = {x["rank"]: x["last_share"] for x in r["arrivals"]["ranks"]}
+    assert last[3] == max(last.values()), f"the slow rank enters its collectives last most often: {last}"
+
+
+def test_compiled_tensor_parallel_partner_is_cleared_by_arrival_order(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Compiled, DTensor's collectives are waited on in C++: no bracket sees the partner's wait, the step
+    log counts it as busy, and PyTorch's record of the collectives shows it was waiting."""
+    run, df = run_job(tmp_path, "tp", "--compile-tp", "--slow-rank", "3", "--cause", "compute", nproc=4, steps=28)
+    r = report(run, capsys)
+    assert [(s["rank"], s["cause"]) for s in r["stragglers"]] == [(3, "compute")], r["stragglers"]
+    assert [c["rank"] for c in r["arrivals"]["cleared"]] == [2], r["arrivals"]
+    assert any("compiled code" in note for note in r["arrivals"]["coverage"]), "what no bracket sees is said"
+    assert "not a straggler: rank 2" in "\n".join(verdict_lines(r))
+
+
+def test_pipeline_gpipe_flags_only_the_slow_stage_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two GPipe stages on pp x two replicas on dp: the slow rank's stage partner waits in the pipeline's
+    sends and receives, its replica in the gradient all-reduce; only the slow rank is flagged."""
+    run, df = run_job(tmp_path, "pipeline", "--slow-rank", "3", "--cause", "compute", nproc=4, steps=28)
+    r = report(run, capsys)
+    only_straggler(r, 3, "compute")
+    assert r["group_imbalance"] == [], "the slow rank's stage is not a slow stage"
+    partner = df[(df["step"] >= 12) & (df["rank"] == 2)]
+    assert partner["collective_wait_s"].median() > DELAY, "the stage partner waits in the pipeline's receives"

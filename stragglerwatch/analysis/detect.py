@@ -270,7 +270,7 @@ def verdict(
         ranks=ranks,
         steps=steps,
         stragglers=stragglers,
-        groups=_group_imbalance(stats.group_med, groups, ranks, cfg),
+        groups=_group_imbalance(stats.group_med, groups, ranks, cfg, {s.rank for s in stragglers}),
         job_seconds=job,
         ideal_seconds=job - float(waste.sum()),
         lost_seconds=float(waste.sum()),
@@ -282,12 +282,16 @@ def verdict(
     )
 
 
-def _group_imbalance(group_med: np.ndarray, groups: Groups, ranks: np.ndarray, cfg: DetectConfig
-                     ) -> list[GroupImbalance]:  # fmt: skip
+def _group_imbalance(group_med: np.ndarray, groups: Groups, ranks: np.ndarray, cfg: DetectConfig,
+                     flagged: set[int]) -> list[GroupImbalance]:  # fmt: skip
+    """Groups busier than the others; a group holding a flagged straggler is not one (its excess is the
+    straggler's: a whole slow group is slow in every member, and none of them stands out)."""
     if len(groups.names) < 2:
         return []
     out = []
     for g, name in enumerate(groups.names):
+        if any(int(ranks[i]) in flagged for i in groups.members[g]):
+            continue
         rest = nanmedian(np.delete(group_med, g, axis=1), axis=1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)

@@ -13,6 +13,7 @@ cluster and ends in :func:`finish`, like this one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -25,6 +26,7 @@ import pandas as pd
 
 from stragglerwatch.analysis import runmatrix
 from stragglerwatch.analysis.advice import advise
+from stragglerwatch.analysis.arrivals import arrivals, summary, victims
 from stragglerwatch.analysis.codeprofile import locate, needed_ranks
 from stragglerwatch.analysis.detect import MATRIX_COLUMNS, StepMatrix, Verdict, detect, matrix_from_columns
 from stragglerwatch.analysis.explain import StepTimes, explain, prepare, span, span_values
@@ -48,6 +50,7 @@ from stragglerwatch.analysis.reportschema import (
 from stragglerwatch.analysis.stages import last_rows, nanmedian, rank_medians
 from stragglerwatch.analysis.thresholds import DetectConfig
 from stragglerwatch.record.codelog import load_code
+from stragglerwatch.record.collectives import load_collectives
 from stragglerwatch.record.context import load_context
 from stragglerwatch.record.events import read_events
 from stragglerwatch.record.rundir import read_rank_meta, read_run_meta
@@ -248,9 +251,12 @@ def finish(
     world_size(path, run_meta, set(plan.ranks.tolist()))  # warns of ranks that recorded nothing
     context = load_context(path) if context is None else context
     roles = {r: m.get("role") for r, m in rank_meta.items()}
+    seen = analysis.matrix.values.get("comm_wait_s") if analysis.matrix is not None else None
+    verdict, arrival = arrival_check(path, verdict, times, rank_meta, roles, seen)
     code = load_code(path, needed_ranks(verdict.stragglers, plan.ranks.tolist(), roles)) if verdict.stragglers else None
     report = build_report(figures, verdict, run_meta, rank_meta, context if len(context) else None, times, code)
     report.run_dir = str(path)
+    report.arrivals = arrival
     events, bad = read_events(path)
     report.hangs = hangs_from_events(events, report.world_size or 0, last)
     report.actions = actions_from_events(events)
@@ -260,6 +266,35 @@ def finish(
     analysis.typed, analysis.report = report, report.to_dict()
     analysis.context = context if len(context) else None
     return analysis
+
+
+def arrival_check(path: Path, verdict: Verdict, times: StepTimes, rank_meta: dict[int, dict], roles: dict[int, Any],
+                  seen: np.ndarray | None) -> tuple[Verdict, dict[str, Any] | None]:  # fmt: skip
+    """The arrival order at the collectives (``arrivals.py``), when the ranks recorded it: the verdict
+    less the flagged ranks it shows to be waiting, and the report's ``arrivals`` section."""
+    found = load_collectives(path)
+    if found is None or seen is None:
+        notes = sorted({str(n) for m in rank_meta.values() for n in m.get("coverage") or []})
+        return verdict, ({"coverage": notes} if notes else None)
+    steps, start, end = times
+    arr = arrivals(found.rows, steps, start, end, verdict.ranks, {r: m.get("host") for r, m in rank_meta.items()})
+    cleared = victims(verdict.stragglers, arr, roles, seen)
+    kept = [s for s in verdict.stragglers if s.rank not in cleared]
+    ranks = summary(arr)
+    share = {x["rank"]: x["last_share"] for x in ranks}
+    disagree = []
+    for s in kept:
+        peers = [share[r] for r in share if r != s.rank and roles.get(r) == roles.get(s.rank)]
+        if s.rank in share and peers and share[s.rank] <= float(np.median(peers)):
+            why = (f"busy time flags it, but it entered its collectives last no more often than its peers "
+                   f"({share[s.rank]:.0%} against {np.median(peers):.0%})")
+            disagree.append({"rank": s.rank, "reason": why})
+    section = {"coverage": sorted({str(n) for m in rank_meta.values() for n in m.get("coverage") or []}),
+               "groups_compared": arr.groups, "groups_skipped": arr.skipped, "ranks": ranks,
+               "cleared": [{"rank": r, "reason": why} for r, why in sorted(cleared.items())],
+               "disagree": disagree, "lost_entries": {str(r): n for r, n in sorted(found.lost.items()) if n},
+               "bad_lines": found.bad_lines}  # fmt: skip
+    return (dataclasses.replace(verdict, stragglers=kept) if cleared else verdict), section
 
 
 def step_times(steps: np.ndarray, start: np.ndarray, step_s: np.ndarray) -> StepTimes:

@@ -163,6 +163,7 @@ class Report:
     hang_verdict: dict[str, Any] | None = None  # ``hangverdict.reconcile`` over every source
     imbalance: ImbalanceEntry | None = None  # None: no work per step was recorded
     actions: list[dict[str, Any]] = field(default_factory=list)  # the policies' (``policy.actions_from_events``)
+    arrivals: dict[str, Any] | None = None  # the arrival order at the collectives (``arrivals.py``), when recorded
     extra: dict[str, Any] = field(default_factory=dict)  # an op-level trace's what-if
     schema: str = REPORT_SCHEMA
 
@@ -199,8 +200,8 @@ class Report:
 
 
 #: Keys the JSON has only when the analysis had their source.
-_OPTIONAL = {"run_dir", "events", "attempts", "log_events", "first_failure", "log_lines", "log_skipped_lines",
-             "flight_recorder", "hang_verdict", "imbalance"}
+_OPTIONAL = {"arrivals", "run_dir", "events", "attempts", "log_events", "first_failure", "log_lines",
+             "log_skipped_lines", "flight_recorder", "hang_verdict", "imbalance"}
 
 
 def _plain(value: Any) -> Any:

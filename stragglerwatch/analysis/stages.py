@@ -42,6 +42,18 @@ def nanmedian(a: np.ndarray, axis: int) -> np.ndarray:
     return bn.nanmedian(a, axis=axis)
 
 
+def lower_median(a: np.ndarray) -> np.ndarray:
+    """Per row, the lower median of the finite values (NaN where there are none)."""
+    n = a.shape[0]
+    if a.shape[1] == 1:
+        return a[:, 0].astype(np.float64)
+    ordered = np.sort(a, axis=1)  # NaN last
+    k = np.isfinite(a).sum(axis=1)
+    out = ordered[np.arange(n), np.maximum((k - 1) // 2, 0)].astype(np.float64)
+    out[k == 0] = np.nan
+    return out
+
+
 @dataclass
 class Groups:
     """The ranks' peer groups (roles, e.g. pipeline stages): the columns of each, in name order."""
@@ -113,8 +125,10 @@ def step_stage(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN steps
         least = np.nanmin(comm_wait, axis=1) if r else np.full(n, np.nan)
-    # each group's median busy time, for the imbalance between groups (there is none with one)
-    group_med = (np.column_stack([nanmedian(busy[:, idx], axis=1) for idx in groups.members])
+    # each group's lower median busy time, for the imbalance between groups (there is none with one): the
+    # lower one of an even group's middle pair, so that one straggler in a group of two is not its group's
+    # imbalance (a whole slow group is slow in every member)
+    group_med = (np.column_stack([lower_median(busy[:, idx]) for idx in groups.members])
                  if len(groups.members) > 1 else np.zeros((n, 1)))  # fmt: skip
     return excess, costly, StepStats(step_med, least, top1, top1_at.astype(np.int64), top2, group_med)
 

@@ -41,6 +41,33 @@ def code_text(s: dict[str, Any]) -> str:
     return f"of its extra {total:.1f} ms/step, " + "; ".join(parts)
 
 
+def arrival_lines(report: dict[str, Any]) -> list[str]:
+    """What the arrival order at the collectives adds to the verdict: ranks it clears, ranks on which it
+    disagrees with busy time, and groups it could not compare."""
+    arrivals = report.get("arrivals")
+    if not arrivals or report.get("busy_unavailable"):
+        return []
+    by_rank = {x["rank"]: x for x in arrivals.get("ranks") or []}
+    lines = [f"coverage: {note}." for note in arrivals.get("coverage") or []]
+    for s in report["stragglers"]:
+        mine = by_rank.get(s["rank"])
+        if mine is not None:
+            lines.append(f"  rank {s['rank']} entered {mine['last_share']:.0%} of its collectives last "
+                         f"({mine['collectives_per_step']:g} a step compared)")  # fmt: skip
+    for c in arrivals.get("cleared") or []:
+        lines.append(f"not a straggler: rank {c['rank']}: {c['reason']}.")
+    for d in arrivals.get("disagree") or []:
+        lines.append(f"busy time and arrival order disagree on rank {d['rank']}: {d['reason']}.")
+    skipped = arrivals.get("groups_skipped") or {}
+    if skipped:
+        lines.append(f"arrival order not compared in {len(skipped)} group(s) whose ranks span hosts (their "
+                     "clocks are not comparable).")  # fmt: skip
+    lost = sum((arrivals.get("lost_entries") or {}).values())
+    if lost:
+        lines.append(f"arrival order: {lost} collectives PyTorch recorded were overwritten before they were read.")
+    return lines
+
+
 def verdict_lines(report: dict[str, Any]) -> list[str]:
     """The verdict in a few sentences; shared by the text report and the dashboard banner."""
     lines = []
@@ -71,6 +98,7 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
             lines += [f"    try: {h}" for h in s.get("hints") or []]
     else:
         lines.append("no consistently slow rank.")
+    lines += arrival_lines(report)
     attempts = report.get("attempts") or []
     if len(attempts) > 1:
         starts = ", ".join(f"restart {a['restart']}" + (f" (attach {a['attach']})" if a["attach"] else "")

@@ -38,6 +38,31 @@ def unseen_communication(model: torch.nn.Module) -> str | None:
     return None
 
 
+def coverage_notes(model: torch.nn.Module, compiled: bool, world_size: int) -> list[str]:
+    """What of the job's communication no bracket of ours sees, though it is not lost: said in the
+    rank's metadata (``coverage``) and in every report. Empty where every collective is bracketed."""
+    if world_size < 2:
+        return []
+    notes = []
+    distributed_params = False
+    try:
+        from torch.distributed.tensor import DTensor
+
+        distributed_params = any(isinstance(p, DTensor) for p in model.parameters())
+    except Exception:
+        pass
+    if compiled and distributed_params:
+        notes.append("collectives inside compiled code (DTensor's functional collectives under torch.compile) are "
+                     "waited on in C++, where no bracket of ours sees them: their waits are found from the arrival "
+                     "order at the collectives, within groups on one host")  # fmt: skip
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace  # noqa: F401
+    except ImportError:
+        notes.append("this torch has no Flight Recorder: no arrival order at the collectives, and a wait that no "
+                     "bracket sees (inside compiled code) counts as busy time")  # fmt: skip
+    return notes
+
+
 class UnavailableNotes:
     """Writes the reasons the probe found during training into the rank's metadata (log thread)."""
 

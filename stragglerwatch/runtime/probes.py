@@ -65,6 +65,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from threading import get_ident
 from typing import Any
 
 import torch
@@ -94,9 +95,7 @@ def _guarded(hook: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return hook(self, *args)
         except Exception as exc:
-            self.faults += 1
-            self.problems.report("probe", f"a hook of ours failed ({hook.__name__}: {type(exc).__name__}: {exc}); "
-                                 "training continues, this step's timings may be incomplete")  # fmt: skip
+            self._hook_failed(hook.__name__, exc)
             return None
 
     return guarded
@@ -219,6 +218,11 @@ class StepProbe:
     def steps(self) -> int:
         """Optimizer steps completed so far."""
         return self._next_step
+
+    @property
+    def thread(self) -> int:
+        """The training thread's id (that of the latest training forward)."""
+        return self._tid
 
     @property
     def paused(self) -> bool:
@@ -445,38 +449,70 @@ class StepProbe:
             m.sync.append((m.bwd_end[-1], self._dmark("other")))
 
     # -- every other collective ------------------------------------------
-    @_guarded
+    # The three calls below run once per collective: lean, and guarded inline (no decorator's frame).
     def comm_begin(self) -> Any:
-        """A collective starts being waited for (``taps``, DDP's buffer sync). Returns a token."""
-        if not self.enabled or self._cur is None:
+        """A collective starts being waited for (``taps``, DDP's buffer sync). Returns a token (None:
+        not this step's wait); never raises."""
+        try:
+            if self._cur is None or not self.enabled:
+                return None
+            if get_ident() != self._tid and _graph_task_id() < 0:
+                return None  # another thread's collective (not inside our backward): not this step's
+            if self._stream is not None and torch.cuda.current_stream() != self._stream:
+                return None  # waited for on a side stream (FSDP2's all-gather stream): not the compute stream's wait
+            self._comm_depth += 1
+            if self._comm_depth > 1:
+                return _NESTED
+            step, phase, since = self.where
+            now = self._now()
+            self.where = (step, "collective_wait", now)
+            return (now if self._host else self._at(now, "collective_wait"), phase, since)
+        except Exception as exc:
+            self._hook_failed("comm_begin", exc)
             return None
-        if threading.get_ident() != self._tid and _graph_task_id() < 0:
-            return None  # another thread's collective (not inside our backward): not this step's
-        if self._stream is not None and torch.cuda.current_stream() != self._stream:
-            return None  # waited for on a side stream (FSDP2's all-gather stream): not the compute stream's wait
-        self._comm_depth += 1
-        if self._comm_depth > 1:
-            return _NESTED
-        step, phase, _ = self.where
-        now = self._now()
-        self.where = (step, "collective_wait", now)
-        return (self._at(now, "collective_wait"), phase)
 
-    @_guarded
     def comm_end(self, token: Any) -> None:
-        if token is None:
-            return
-        self._comm_depth = max(0, self._comm_depth - 1)
-        if token is _NESTED:
-            return
-        start, phase = token
-        now = self._now()
-        m = self._cur
-        if m is not None and len(m.comm) < MAX_MARKS:
-            m.comm.append((start, self._at(now, phase)))
-        elif m is not None:
-            self.dropped_marks += 1
-        self.where = (self._next_step, phase, now)
+        try:
+            self._comm_depth -= 1 if self._comm_depth > 0 else 0
+            if token is _NESTED:
+                return
+            start, phase, _ = token
+            now = self._now()
+            m = self._cur
+            if m is not None and len(m.comm) < MAX_MARKS:
+                m.comm.append((start, now if self._host else self._at(now, phase)))
+            elif m is not None:
+                self.dropped_marks += 1
+            self.where = (self._next_step, phase, now)
+        except Exception as exc:
+            self._hook_failed("comm_end", exc)
+
+    def issue_begin(self) -> Any:
+        """Before a process-group call (``taps``): a clock read on the host, a full bracket on the device."""
+        return self._now() if self._host else self.comm_begin()
+
+    def issue_end(self, token: Any, kept: bool) -> None:
+        """After it: ``kept`` when the call returned no ``Work`` (it blocked, or launched on the current
+        stream); otherwise its wait is bracketed where it happens and this one times nothing."""
+        try:
+            if self._host:
+                if kept and self._cur is not None and self.enabled and self._comm_depth == 0 \
+                        and (get_ident() == self._tid or _graph_task_id() >= 0):
+                    self._cur.comm.append((token, self._now()))
+                return
+            if kept:
+                self.comm_end(token)
+                return
+            self._comm_depth -= 1 if self._comm_depth > 0 else 0
+            if token is not _NESTED:
+                self.where = (self._next_step, token[1], token[2])
+        except Exception as exc:
+            self._hook_failed("issue_end", exc)
+
+    def _hook_failed(self, name: str, exc: Exception) -> None:
+        self.faults += 1
+        self.problems.report("probe", f"a hook of ours failed ({name}: {type(exc).__name__}: {exc}); "
+                             "training continues, this step's timings may be incomplete")  # fmt: skip
 
     def comm_hook(self, inner: Callable[[Any, Any], torch.futures.Future] | None, state: Any) -> Callable:
         """A DDP communication hook timing ``inner(state, bucket)``; ``inner=None``

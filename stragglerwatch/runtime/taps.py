@@ -1,44 +1,41 @@
 """Taps on the few points PyTorch offers no per-object hook for.
 
-Design: four calls see what the model's own hooks cannot.
+Design: one bracket per collective, at the one Python point where the training thread blocks for it.
 
-- **Where a collective is called**: the ``torch.distributed`` functions themselves
-  (:data:`CALL_FUNCTIONS`, as module attributes, which user code, SyncBatchNorm and most
-  wrappers look up at call time), so that whatever lies beneath them holds the thread or the
-  stream inside the bracket: NCCL's C++, or a process group that another tool wrapped after us.
-  Skipped for ``async_op=True`` (the launch exposes nothing) and while torch.compile traces.
-
-- **Where a collective is issued**: the methods of ``ProcessGroup`` that the
-  ``torch.distributed`` functions call (``allreduce``, ``broadcast``,
-  ``allgather``, ``all_gather_single``, ``reduce_scatter_single``, ``barrier``,
-  ``send``/``recv`` ... :data:`ISSUE_METHODS`), whatever name the user
-  imported the function under, SyncBatchNorm's collectives among them. Since
-  torch 2.8 (pytorch PR #148590) a synchronous collective on NCCL runs on the
-  *current* stream and the process group returns no ``Work``, so
-  ``distributed_c10d`` never calls ``Work.wait`` for it: marks on the current
-  stream before and after the launch bracket it there, and nowhere else. On
-  the host a synchronous call that finishes the collective itself blocks
-  inside this bracket.
-- **Where it is waited on**: ``Work.wait``. Gloo's synchronous collectives
-  (and those of NCCL before torch 2.8) and every ``async_op=True`` handle are
-  waited on here; on CUDA it is where the current stream starts waiting for
-  the collective's stream. An asynchronous launch (``opts.asyncOp``) exposes
-  nothing and is not bracketed; its wait is the exposed part.
+- **Where it is waited on**: ``Work.wait``. Gloo's synchronous collectives (``distributed_c10d``
+  issues, then waits), every ``async_op=True`` handle and the point-to-point operations of
+  ``torch.distributed.pipelining`` (``batch_isend_irecv``) are waited on here; on CUDA it is where
+  the current stream starts waiting for the collective's stream.
+- **Where a functional collective is waited on**: ``torch.distributed._functional_collectives.wait_tensor``
+  (a module attribute that DTensor's ``AsyncCollectiveTensor`` looks up at call time): tensor and
+  sequence parallelism, and DTensor redistribution in eager mode. Their C++ issue passes through no
+  Python; the wait is where the thread blocks. Inside code torch.compile traces, this tap steps aside.
+- **Where a collective is issued without a** ``Work``: since torch 2.8 (pytorch PR #148590) a
+  synchronous collective on NCCL runs on the *current* stream and the process group returns no
+  ``Work``, so ``distributed_c10d`` never calls ``Work.wait`` for it. The ``ProcessGroup`` methods
+  (:data:`ISSUE_METHODS`) are bracketed for that case only: a call that returns a ``Work`` (gloo,
+  every asynchronous launch) drops its bracket (the wait will be bracketed), one that returns None
+  keeps it (the launch on the current stream, or a host that finished the collective inside the
+  call). On the host the bracket is a clock read before the call, made into an interval only when
+  kept; on CUDA the event before the launch must be recorded first, so it is a full bracket.
 - ``GradScaler.step``: a step GradScaler skips (inf/NaN gradients) never calls
   ``optimizer.step()``, so the optimizer hooks cannot see that an iteration ended.
 
-Every collective bracket calls the same listener (``comm_begin``/``comm_end``);
-brackets nest (the probe counts the outermost) and the probe carves their
-union out of the step, so a collective bracketed twice is counted once.
-DDP's own collectives are issued and waited for in C++ and are timed
-elsewhere (``probes.py``); the functional collectives of DTensor and
-compiled code (C++ ops) are seen by none of these brackets.
+So a collective costs the training thread one listener bracket (two calls and two clock reads),
+plus a clock read where it was issued from Python; no per-collective work happens anywhere else
+(``benchmarks/collective_cost.py`` measures it). Every bracket calls the same listener
+(``comm_begin``/``comm_end``, ``issue_begin``/``issue_end``); brackets
+nest (the probe counts the outermost) and the probe carves their union out of the step, so a
+collective bracketed twice is counted once. DDP's gradient all-reduce is issued and waited for in
+C++ and timed by autograd callbacks (``probes.py``). What no bracket sees (collectives inside
+compiled graphs, C++ issuers that wait in C++) is found from PyTorch's own C++ record of every
+collective (``collectives.py``) and reported, never silently counted as compute.
 
-A tap is a wrapper set on the class while at least one listener (a probe) is
-registered, and removed with the last one. Its listeners live on the wrapper
-itself, not in module state, so several watched models in one process share
-it. A listener's failure is swallowed: a tap never raises into the training
-loop, and with no listener it is a plain pass-through.
+A tap is a wrapper set on the class (or module) while at least one listener (a probe) is
+registered, and removed with the last one. Its listeners live on the wrapper itself, not in module
+state, so several watched models in one process share it. A listener never raises (the probe
+guards itself); a tap never raises into the training loop, and with no listener it is a plain
+pass-through.
 """
 
 from __future__ import annotations
@@ -52,6 +49,8 @@ _LISTENERS = "__stragglerwatch_listeners__"
 class CommListener(Protocol):
     def comm_begin(self) -> Any: ...
     def comm_end(self, token: Any) -> None: ...
+    def issue_begin(self) -> Any: ...
+    def issue_end(self, token: Any, kept: bool) -> None: ...
 
 
 class ScalerListener(Protocol):
@@ -70,60 +69,55 @@ ISSUE_METHODS = (
 )  # fmt: skip
 
 
-#: ``torch.distributed`` functions bracketed as a whole where the loop calls them (module attributes:
-#: looked up at call time by user code, SyncBatchNorm and most wrappers), so that whatever lies beneath
-#: (NCCL's C++, a process group another tool wrapped after us) holds the thread or the stream inside it.
-CALL_FUNCTIONS = (
-    "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
-    "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-    "barrier", "monitored_barrier", "gather", "scatter", "all_gather_object", "broadcast_object_list",
-    "gather_object", "scatter_object_list", "send", "recv", "send_object_list", "recv_object_list",
-)  # fmt: skip
+def _begin(listener: Any) -> Any:
+    try:
+        return listener.comm_begin()
+    except Exception:  # a listener of ours that failed: never the training loop's problem
+        return None
 
 
-def _bracket_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
-    def bracketed(*args: Any, **kwargs: Any) -> Any:  # a method's self is args[0]
+def _end(listener: Any, token: Any) -> None:
+    try:
+        listener.comm_end(token)
+    except Exception:
+        pass
+
+
+def _wait_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
+    """The call blocks until a collective is done: bracketed by every listener (one, nearly always,
+    on a path without helper calls: this runs once per collective)."""
+
+    def wait(*args: Any, **kwargs: Any) -> Any:
         if not listeners:
             return original(*args, **kwargs)
-        tokens = []
-        for listener in listeners:
+        if len(listeners) == 1:
+            listener = listeners[0]
             try:
-                tokens.append(listener.comm_begin())
+                token = listener.comm_begin()
             except Exception:
-                tokens.append(None)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            for listener, token in zip(listeners, tokens, strict=False):
+                token = None
+            try:
+                return original(*args, **kwargs)
+            finally:
                 if token is not None:
                     try:
                         listener.comm_end(token)
                     except Exception:
                         pass
+        tokens = [_begin(listener) for listener in listeners]
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for listener, token in zip(listeners, tokens, strict=False):
+                if token is not None:
+                    _end(listener, token)
 
-    return bracketed
-
-
-def _asynchronous(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """The process-group call was asked for an ``async_op=True`` collective (torch >= 2.8 passes
-    ``opts.asyncOp``): its launch exposes nothing; its wait is bracketed at ``Work.wait``."""
-    opts = kwargs.get("opts", args[-1] if args else None)
-    return getattr(opts, "asyncOp", False) is True
-
-
-def _issue_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
-    bracketed = _bracket_wrapper(original, listeners)
-
-    def issue(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not listeners or _asynchronous(args, kwargs):
-            return original(self, *args, **kwargs)
-        return bracketed(self, *args, **kwargs)
-
-    return issue
+    return wait
 
 
-def _call_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
-    bracketed = _bracket_wrapper(original, listeners)
+def _functional_wait_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
+    """``wait_tensor``: bracketed in eager mode; traced by torch.compile, the original alone."""
+    wait = _wait_wrapper(original, listeners)
     try:
         from torch.compiler import is_compiling  # torch >= 2.3
     except ImportError:  # pragma: no cover
@@ -131,13 +125,53 @@ def _call_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callabl
         def is_compiling() -> bool:
             return False
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        # traced by torch.compile: the original alone (Dynamo maps it to its functional collective)
-        if not listeners or kwargs.get("async_op") is True or is_compiling():
-            return original(*args, **kwargs)
-        return bracketed(*args, **kwargs)
+    def wait_tensor(tensor: Any) -> Any:
+        if is_compiling():
+            return original(tensor)
+        return wait(tensor)
 
-    return call
+    return wait_tensor
+
+
+def _issue_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
+    """A process-group call: a bracket only when it returns no ``Work`` (module docstring). The
+    listener's ``issue_begin`` is a clock read on the host (the bracket, when kept, is made afterwards)
+    and a full ``comm_begin`` where marks are device events that must precede the launch."""
+
+    def issue(*args: Any, **kwargs: Any) -> Any:
+        if not listeners:
+            return original(*args, **kwargs)
+        if len(listeners) == 1:
+            listener = listeners[0]
+            try:
+                token = listener.issue_begin()
+            except Exception:
+                token = None
+            result = original(*args, **kwargs)
+            if token is not None:
+                try:
+                    listener.issue_end(token, result is None)
+                except Exception:
+                    pass
+            return result
+        tokens = [_issue_begin(listener) for listener in listeners]
+        result = original(*args, **kwargs)
+        for listener, token in zip(listeners, tokens, strict=False):
+            if token is not None:
+                try:
+                    listener.issue_end(token, result is None)
+                except Exception:
+                    pass
+        return result
+
+    return issue
+
+
+def _issue_begin(listener: Any) -> Any:
+    try:
+        return listener.issue_begin()
+    except Exception:
+        return None
 
 
 def _scaler_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
@@ -164,7 +198,7 @@ def _scaler_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Calla
 class Tap:
     """One listener on one wrapped method; ``remove()`` takes it off again."""
 
-    def __init__(self, owner: type, name: str, build: Callable[..., Callable[..., Any]], listener: Any):
+    def __init__(self, owner: Any, name: str, build: Callable[..., Callable[..., Any]], listener: Any):
         self._owner, self._name, self._listener = owner, name, listener
         current = owner.__dict__.get(name) or getattr(owner, name)
         listeners = getattr(current, _LISTENERS, None)
@@ -232,19 +266,27 @@ class TapSet:
             tap.remove()
 
 
+def functional_module() -> Any:
+    """``torch.distributed._functional_collectives`` where this torch has it (None otherwise)."""
+    try:
+        from torch.distributed import _functional_collectives
+
+        return _functional_collectives if callable(getattr(_functional_collectives, "wait_tensor", None)) else None
+    except Exception:
+        return None
+
+
 def tap_collectives(listener: CommListener) -> TapSet | None:
-    """Bracket every collective where it is called, issued and waited on (module docstring)."""
+    """Bracket every collective where the training thread blocks for it (module docstring)."""
     work, group = work_class(), process_group_class()
     if work is None or group is None:
         return None
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
-    taps = [Tap(work, "wait", _bracket_wrapper, listener)]
+    taps = [Tap(work, "wait", _wait_wrapper, listener)]
     taps += [Tap(group, name, _issue_wrapper, listener) for name in ISSUE_METHODS
              if callable(getattr(group, name, None))]  # fmt: skip
-    taps += [Tap(module, name, _call_wrapper, listener) for module in (dist, distributed_c10d)
-             for name in CALL_FUNCTIONS if callable(module.__dict__.get(name))]  # fmt: skip
+    functional = functional_module()
+    if functional is not None:
+        taps.append(Tap(functional, "wait_tensor", _functional_wait_wrapper, listener))
     return TapSet(taps)
 
 

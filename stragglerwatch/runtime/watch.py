@@ -41,9 +41,10 @@ from stragglerwatch.record.rundir import RunInfo
 from stragglerwatch.record.steplog import log_path
 from stragglerwatch.runtime.codemetrics import CodeCollector
 from stragglerwatch.runtime.codesampler import CodeSampler
+from stragglerwatch.runtime.collectives import CollectiveLog
 from stragglerwatch.runtime.config import CODE_HZ, Config
 from stragglerwatch.runtime.control import Controls
-from stragglerwatch.runtime.coverage import UnavailableNotes, unseen_communication
+from stragglerwatch.runtime.coverage import UnavailableNotes, coverage_notes, unseen_communication
 from stragglerwatch.runtime.ctxmetrics import ContextCollector
 from stragglerwatch.runtime.datamark import DataMark, mark_fetch
 from stragglerwatch.runtime.devices import CaptureGate, CudaMarks, compute_device, device_progress
@@ -102,6 +103,7 @@ class Watch:
         self._exporter: Exporter | None = None
         self._context: ContextSampler | None = None
         self._code: CodeSampler | None = None
+        self._collectives: CollectiveLog | None = None  # multi-rank: PyTorch's record of the collectives
         self._notes: UnavailableNotes | None = None
         self._controls: Controls | None = None
         self._policy: StragglerPolicy | None = None  # rank 0 with ``on_straggler``
@@ -160,6 +162,7 @@ class Watch:
             "work_notes": list(p.work_notes.values()) if p is not None else [],
             "context_samples": self._context.samples if self._context else 0,
             "code_samples": self._code.samples if self._code else 0,
+            "collectives": self._collectives.stats() if self._collectives else None,
             "problems": dict(self.problems.counts),
         }
 
@@ -286,6 +289,8 @@ class Watch:
             steps.append(("restore the signal handlers", self._shutdown.remove))
         if self._writer is not None:
             steps += [("finish the step log", self._writer.close), ("record", self._record_unresolved)]
+        if self._collectives is not None:
+            steps.append(("copy the last collectives", self._collectives.read))
         if self._context is not None:
             steps.append(("finish the context stream", self._context.close))
         if self._code is not None:
@@ -492,6 +497,9 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
     role = cfg.role if cfg.role is not None else mesh_role(parts.mesh)
     rank_meta: dict[str, Any] = {"device": str(device), "timing": timing, "role": role}
     unseen = unseen_communication(parts.target or model)
+    coverage = coverage_notes(parts.target or model, parts.compiled, info.world_size)
+    if coverage:
+        rank_meta["coverage"] = coverage
     if unseen is not None:
         rank_meta["busy_unavailable"] = [unseen]
         problems.report("unavailable", f"busy time unavailable: {unseen}")
@@ -527,6 +535,10 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
     )
     notes = watch._notes = UnavailableNotes(info, rank_meta, probe)
     writer.observers += [notes, watch._observe]
+    if info.world_size > 1:  # the arrival order at every collective, from PyTorch's own record, off this thread
+        watch._collectives = CollectiveLog(info.run_dir / f"collectives-{info.rank:05d}.jsonl", lambda: probe.thread,
+                                           ids=(info.restart, info.attach), problems=problems)  # fmt: skip
+        writer.observers.append(watch._collectives)
     watch._events = EventFile(info.run_dir / f"events-{info.rank:05d}.jsonl")
     if cfg.watchdog_timeout_s is None or cfg.watchdog_timeout_s > 0:
         native = NativeStacks(info.run_dir / f"stacks-{info.rank:05d}.txt") if cfg.native_stacks else None

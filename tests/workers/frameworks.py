@@ -4,7 +4,10 @@ README says. Run under torchrun (2 CPU ranks, gloo).
 ``--framework``: ``lightning`` (Trainer, ``strategy="ddp"``, validation, ``self.log(sync_dist=True)``),
 ``hf`` (transformers Trainer with evaluation and logging), ``accelerate`` (``accelerator.prepare``,
 ``accelerator.accumulate``), ``fsdp2`` (``fully_shard`` per block and on the root), ``compile``
-(``torch.compile(DDP(model))``). ``--accumulate N`` accumulates gradients over N micro-batches.
+(``torch.compile(DDP(model))``), ``tp`` (FSDP2 on the ``dp`` dimension of a dp x tp mesh, the MLP's first
+layer column-wise and its second row-wise; ``--compile-tp`` compiles it), ``pipeline`` (a GPipe schedule
+of two stages on the ``pp`` dimension of a dp x pp mesh, DDP-style gradient all-reduce on ``dp``).
+``--accumulate N`` accumulates gradients over N micro-batches.
 Injection from step ``--from-step`` on ``--slow-rank``: ``compute`` sleeps in forward and backward,
 ``data`` sleeps in the batch collation (in the fetch).
 """
@@ -247,9 +250,99 @@ def run_compile(args: argparse.Namespace, injection: Injection) -> None:
         optimizer.zero_grad()
 
 
+class TPNet(nn.Module):
+    """An MLP whose ``up`` (column-wise) and ``down`` (row-wise) layers are tensor parallel: the compute
+    injection sleeps between them, inside the TP block, so the TP partner waits in the row-wise all-reduce."""
+
+    def __init__(self, injection: Injection):
+        super().__init__()
+        self.injection = injection
+        self.inp = nn.Linear(FEATURES, HIDDEN)
+        self.up = nn.Linear(HIDDEN, 4 * HIDDEN)
+        self.down = nn.Linear(4 * HIDDEN, HIDDEN)
+        self.out = nn.Linear(HIDDEN, 1)
+
+    @torch.compiler.disable  # the injection is not the model: never compiled
+    def slow(self, h: torch.Tensor) -> torch.Tensor:
+        delay = self.injection("compute")
+        return Slow.apply(h, delay) if delay else h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.up(torch.relu(self.inp(x))))
+        if self.training and torch.is_grad_enabled():
+            h = self.slow(h)
+        return self.out(torch.relu(self.down(h)))
+
+
+def run_tp(args: argparse.Namespace, injection: Injection) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model: nn.Module = TPNet(injection)
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    if args.compile_tp:
+        model = torch.compile(model, backend=args.backend)
+    stragglerwatch.attach(model, args.run_dir, watchdog_timeout_s=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    # every rank of a TP group must see the same batch: the loader is seeded by the dp coordinate
+    dp = mesh["dp"].get_local_rank()
+    loader = DataLoader(Points(batches_needed(args), seed=dp), batch_size=args.batch, collate_fn=Collate(injection))
+    for batch in loader:
+        nn.functional.mse_loss(model(batch["x"]), batch["labels"]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+class Stage(nn.Module):
+    """One pipeline stage: two layers, the compute injection between them."""
+
+    def __init__(self, injection: Injection, first: bool, last: bool):
+        super().__init__()
+        self.injection = injection
+        self.a = nn.Linear(FEATURES if first else HIDDEN, HIDDEN)
+        self.b = nn.Linear(HIDDEN, 1 if last else HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        delay = self.injection("compute")
+        return self.b(Slow.apply(h, delay) if delay else h)
+
+
+def run_pipeline(args: argparse.Namespace, injection: Injection) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "pp"))
+    stage_index, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    microbatches = 2
+    injection.from_batch *= microbatches  # the injection counts stage forwards: one per micro-batch
+    torch.manual_seed(stage_index)
+    module = Stage(injection, first=stage_index == 0, last=stage_index == 1)
+    stage = PipelineStage(module, stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = ScheduleGPipe(stage, microbatches, loss_fn=nn.functional.mse_loss)
+    watch = stragglerwatch.attach(module, args.run_dir, watchdog_timeout_s=0, role=f"pp={stage_index}")
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+    dp_group = mesh["dp"].get_group()
+    loader = DataLoader(Points(batches_needed(args), seed=dp), batch_size=args.batch, collate_fn=Collate(injection))
+    for batch in watch.wrap(loader):
+        if stage_index == 0:
+            schedule.step(batch["x"])
+        else:
+            schedule.step(target=batch["labels"])
+        for p in module.parameters():  # data parallel across the replicas of this stage
+            dist.all_reduce(p.grad, group=dp_group)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--framework", required=True, choices=["lightning", "hf", "accelerate", "fsdp2", "compile"])
+    p.add_argument("--framework", required=True, choices=["lightning", "hf", "accelerate", "fsdp2", "compile", "tp",
+                                                                "pipeline"])
     p.add_argument("--run-dir", required=True)
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--batch", type=int, default=16)
@@ -260,6 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--delay", type=float, default=0.02)
     p.add_argument("--from-step", type=int, default=8)
     p.add_argument("--backend", default="aot_eager", help="torch.compile backend")
+    p.add_argument("--compile-tp", action="store_true", help="tp: torch.compile the tensor-parallel model")
     p.add_argument(
         "--mesh",
         choices=["1d", "hsdp", "dp,tp", "lightning-fsdp2"],
@@ -271,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.nproc = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(1)
-    if args.framework in ("fsdp2", "compile"):  # the others set up the process group themselves
+    if args.framework in ("fsdp2", "compile", "tp", "pipeline"):  # the others set up the process group themselves
         dist.init_process_group("gloo")
     rank = int(os.environ.get("RANK", "0"))
     injection = Injection(args, rank)
