@@ -74,15 +74,25 @@ def test_taps_are_installed_once_and_restored() -> None:
         def comm_end(self, token):
             raise RuntimeError("a bug of ours")
 
+        def issue_begin(self):
+            raise RuntimeError("a bug of ours")
+
+    from torch.distributed import _functional_collectives as funcol
+
+    original_functional = funcol.wait_tensor
     first, second = tap_collectives(Broken()), tap_collectives(Broken())
     assert work.__dict__["wait"] is not original_wait and work.__dict__["wait"].__wrapped__ is original_wait
     assert all(group.__dict__[n].__wrapped__ is original_issue[n] for n in issue), "bracketed where issued too"
+    assert funcol.wait_tensor.__wrapped__ is original_functional, "DTensor's waits are bracketed"
+    t = torch.ones(2)
+    assert funcol.wait_tensor(t) is not None, "a listener that raises never reaches the caller"
     first.remove()
     assert work.__dict__["wait"] is not original_wait, "still one listener"
     second.remove()
     second.remove()  # idempotent
     assert work.__dict__["wait"] is original_wait
     assert all(group.__dict__[n] is original_issue[n] for n in issue)
+    assert funcol.wait_tensor is original_functional
     tap = tap_scaler(Broken())
     tap.remove()
     assert scaler.__dict__["step"] is original_step
@@ -222,3 +232,27 @@ def test_comm_hook_conflict_is_one_clear_error(one_rank_group, tmp_path: Path) -
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
     assert stragglerwatch.load_run(tmp_path / "run")["step"].tolist() == [0, 1, 2]
+
+
+def test_an_issue_is_a_bracket_only_when_it_returns_no_work() -> None:
+    """gloo (a ``Work``): the issue's bracket is dropped, the wait's kept; NCCL >= 2.8 (None): kept."""
+    from stragglerwatch.runtime.probes import StepProbe
+    from stragglerwatch.runtime.taps import _issue_wrapper, _wait_wrapper
+
+    marks: list[tuple[float, float]] = []
+    probe = StepProbe(marks.append)
+    probe.on_forward_pre(nn.Linear(1, 1), (torch.ones(1, 1),), {})  # a step is open
+    cur = probe._cur
+
+    def issued(*args):
+        return object()  # a Work
+
+    def finished(*args):
+        return None
+
+    _issue_wrapper(issued, [probe])(None)
+    assert cur.comm == [], "its wait will be bracketed where it happens"
+    _wait_wrapper(lambda: None, [probe])()
+    _issue_wrapper(finished, [probe])(None)
+    assert len(cur.comm) == 2 and all(b >= a for a, b in cur.comm)
+    assert probe.where[1] == "forward", "the phase the thread was in is restored"

@@ -24,6 +24,7 @@ late arrival, whose wait is the smallest of its group.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,6 +125,19 @@ def unseen_wait(arr: Arrivals, seen: np.ndarray) -> np.ndarray:
     (steps x ranks, seconds, same axes) does not hold: at least that much of its busy time was waiting."""
     with np.errstate(invalid="ignore"):
         return np.clip(arr.wait - np.nan_to_num(seen), 0.0, None)
+
+
+def without_unseen(mat: Any, unseen: np.ndarray) -> Any:
+    """A copy of ``mat`` (``detect.StepMatrix``, same axes as ``unseen``) whose busy time no longer holds
+    the unseen waits: they move to ``collective_wait_s`` and ``comm_wait_s``. The phase they sat in is not
+    known (the step log saw no bracket), so the phases are left as they were; the cause of a straggler
+    found again is its own phases' excess over its peers', which this does not touch."""
+    extra = np.nan_to_num(unseen)
+    values = dict(mat.values)
+    for column, sign in (("busy_s", -1.0), ("comm_wait_s", 1.0), ("collective_wait_s", 1.0)):
+        if column in values:
+            values[column] = values[column] + sign * extra
+    return dataclasses.replace(mat, values=values)
 
 
 def victims(stragglers: list[Any], arr: Arrivals, roles: dict[int, Any], seen: np.ndarray) -> dict[int, str]:

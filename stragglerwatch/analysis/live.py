@@ -66,6 +66,7 @@ from stragglerwatch.analysis.stages import (
     step_stage,
 )
 from stragglerwatch.analysis.thresholds import DetectConfig
+from stragglerwatch.record.collectives import CollectiveReader
 from stragglerwatch.record.context import load_context
 from stragglerwatch.record.rundir import read_rank_meta
 from stragglerwatch.record.schema import GAP_COLUMNS, schema_compatible
@@ -121,6 +122,7 @@ class LiveRun:
                  slow_every_s: float = 10.0):  # fmt: skip
         self.run_dir = Path(run_dir)
         self.cfg = config or DetectConfig()
+        self.collectives = CollectiveReader(self.run_dir)  # the arrival order, read incrementally
         self.regrow, self.slow_every_s = regrow, slow_every_s
         self.analysis = empty_analysis()
         self.exact = True  # ``analysis`` is what ``analyze`` gives on the data read so far
@@ -350,7 +352,8 @@ class LiveRun:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RunDirWarning)
             return finish(self.run_dir, self.figures, found, self.rank_meta, times, last_steps(mat), plan,  # type: ignore[arg-type]
-                          Analysis(None, mat, found), context=self.context)  # type: ignore[arg-type]  # fmt: skip
+                          Analysis(None, mat, found), context=self.context, config=self.cfg,
+                          collectives=self.collectives)  # type: ignore[arg-type]  # fmt: skip
 
     def _follow(self, lo: int) -> Analysis:
         """The analysis after the rows from ``lo`` on changed (frozen scalars, resumed rule)."""

@@ -26,7 +26,7 @@ import pandas as pd
 
 from stragglerwatch.analysis import runmatrix
 from stragglerwatch.analysis.advice import advise
-from stragglerwatch.analysis.arrivals import arrivals, summary, victims
+from stragglerwatch.analysis.arrivals import arrivals, summary, unseen_wait, victims, without_unseen
 from stragglerwatch.analysis.codeprofile import locate, needed_ranks
 from stragglerwatch.analysis.detect import MATRIX_COLUMNS, StepMatrix, Verdict, detect, matrix_from_columns
 from stragglerwatch.analysis.explain import StepTimes, explain, prepare, span, span_values
@@ -50,7 +50,7 @@ from stragglerwatch.analysis.reportschema import (
 from stragglerwatch.analysis.stages import last_rows, nanmedian, rank_medians
 from stragglerwatch.analysis.thresholds import DetectConfig
 from stragglerwatch.record.codelog import load_code
-from stragglerwatch.record.collectives import load_collectives
+from stragglerwatch.record.collectives import CollectiveReader, Collectives, load_collectives
 from stragglerwatch.record.context import load_context
 from stragglerwatch.record.events import read_events
 from stragglerwatch.record.rundir import read_rank_meta, read_run_meta
@@ -231,7 +231,7 @@ def analyze_run(
     roles = {r: m["role"] for r, m in rank_meta.items() if m.get("role") is not None}
     verdict = detect(mat, config, groups=roles or None)
     return finish(path, RankFigures.of(mat, verdict), verdict, rank_meta, times, last_steps(mat), plan,
-                  Analysis(None, mat, verdict))  # type: ignore[arg-type]  # fmt: skip
+                  Analysis(None, mat, verdict), config=config)  # type: ignore[arg-type]  # fmt: skip
 
 
 def finish(
@@ -244,15 +244,20 @@ def finish(
     plan: runmatrix.StepPlan,
     analysis: Analysis,
     context: pd.DataFrame | None = None,
+    config: DetectConfig | None = None,
+    collectives: CollectiveReader | None = None,
 ) -> Analysis:
-    """The report of a detected run (every engine): context (``context``, or the run dir's),
-    hangs, events, attempts."""
+    """The report of a detected run (every engine): the arrival order at the collectives (read by
+    ``collectives``, or from the run dir), context (``context``, or the run dir's), hangs, events,
+    attempts."""
     run_meta = read_run_meta(path)
     world_size(path, run_meta, set(plan.ranks.tolist()))  # warns of ranks that recorded nothing
     context = load_context(path) if context is None else context
     roles = {r: m.get("role") for r, m in rank_meta.items()}
-    seen = analysis.matrix.values.get("comm_wait_s") if analysis.matrix is not None else None
-    verdict, arrival = arrival_check(path, verdict, times, rank_meta, roles, seen)
+    found = collectives.read() if collectives is not None else load_collectives(path)
+    verdict, adjusted, arrival = arrival_check(found, verdict, times, rank_meta, roles, analysis.matrix, config)
+    if adjusted is not None:
+        figures, analysis.matrix, analysis.verdict = RankFigures.of(adjusted, verdict), adjusted, verdict
     code = load_code(path, needed_ranks(verdict.stragglers, plan.ranks.tolist(), roles)) if verdict.stragglers else None
     report = build_report(figures, verdict, run_meta, rank_meta, context if len(context) else None, times, code)
     report.run_dir = str(path)
@@ -268,33 +273,45 @@ def finish(
     return analysis
 
 
-def arrival_check(path: Path, verdict: Verdict, times: StepTimes, rank_meta: dict[int, dict], roles: dict[int, Any],
-                  seen: np.ndarray | None) -> tuple[Verdict, dict[str, Any] | None]:  # fmt: skip
-    """The arrival order at the collectives (``arrivals.py``), when the ranks recorded it: the verdict
-    less the flagged ranks it shows to be waiting, and the report's ``arrivals`` section."""
-    found = load_collectives(path)
+def arrival_check(found: Collectives | None, verdict: Verdict, times: StepTimes, rank_meta: dict[int, dict],
+                  roles: dict[int, Any], mat: StepMatrix | None, config: DetectConfig | None
+                  ) -> tuple[Verdict, StepMatrix | None, dict[str, Any] | None]:  # fmt: skip
+    """The arrival order at the collectives (``arrivals.py``), when the ranks recorded it, and the verdict
+    it leaves: where the ranks said that collectives run where no bracket sees them (``coverage``), busy
+    time less the unseen waits, detected again; otherwise the verdict less the flagged ranks it shows to
+    be waiting. Returns the verdict, the matrix it was detected on when that changed, and the report's
+    ``arrivals`` section."""
+    notes = sorted({str(n) for m in rank_meta.values() for n in m.get("coverage") or []})
+    seen = mat.values.get("comm_wait_s") if mat is not None else None
     if found is None or seen is None:
-        notes = sorted({str(n) for m in rank_meta.values() for n in m.get("coverage") or []})
-        return verdict, ({"coverage": notes} if notes else None)
+        return verdict, None, ({"coverage": notes} if notes else None)
     steps, start, end = times
     arr = arrivals(found.rows, steps, start, end, verdict.ranks, {r: m.get("host") for r, m in rank_meta.items()})
-    cleared = victims(verdict.stragglers, arr, roles, seen)
-    kept = [s for s in verdict.stragglers if s.rank not in cleared]
+    reasons = victims(verdict.stragglers, arr, roles, seen)
+    adjusted = None
+    if notes and mat is not None:  # waits no bracket saw: taken out of busy time, every rank, every step
+        adjusted = without_unseen(mat, unseen_wait(arr, seen))
+        verdict = detect(adjusted, config, groups={r: g for r, g in roles.items() if g is not None} or None)
+        flagged = {s.rank for s in verdict.stragglers}
+        cleared = {r: why for r, why in reasons.items() if r not in flagged}
+    else:
+        cleared = reasons
+        verdict = dataclasses.replace(verdict, stragglers=[s for s in verdict.stragglers if s.rank not in cleared])
     ranks = summary(arr)
     share = {x["rank"]: x["last_share"] for x in ranks}
     disagree = []
-    for s in kept:
+    for s in verdict.stragglers:
         peers = [share[r] for r in share if r != s.rank and roles.get(r) == roles.get(s.rank)]
         if s.rank in share and peers and share[s.rank] <= float(np.median(peers)):
             why = (f"busy time flags it, but it entered its collectives last no more often than its peers "
                    f"({share[s.rank]:.0%} against {np.median(peers):.0%})")
             disagree.append({"rank": s.rank, "reason": why})
-    section = {"coverage": sorted({str(n) for m in rank_meta.values() for n in m.get("coverage") or []}),
-               "groups_compared": arr.groups, "groups_skipped": arr.skipped, "ranks": ranks,
+    section = {"coverage": notes, "groups_compared": arr.groups, "groups_skipped": arr.skipped, "ranks": ranks,
+               "busy_adjusted": adjusted is not None,
                "cleared": [{"rank": r, "reason": why} for r, why in sorted(cleared.items())],
                "disagree": disagree, "lost_entries": {str(r): n for r, n in sorted(found.lost.items()) if n},
                "bad_lines": found.bad_lines}  # fmt: skip
-    return (dataclasses.replace(verdict, stragglers=kept) if cleared else verdict), section
+    return verdict, adjusted, section
 
 
 def step_times(steps: np.ndarray, start: np.ndarray, step_s: np.ndarray) -> StepTimes:

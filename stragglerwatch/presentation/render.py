@@ -47,13 +47,9 @@ def arrival_lines(report: dict[str, Any]) -> list[str]:
     arrivals = report.get("arrivals")
     if not arrivals or report.get("busy_unavailable"):
         return []
-    by_rank = {x["rank"]: x for x in arrivals.get("ranks") or []}
     lines = [f"coverage: {note}." for note in arrivals.get("coverage") or []]
-    for s in report["stragglers"]:
-        mine = by_rank.get(s["rank"])
-        if mine is not None:
-            lines.append(f"  rank {s['rank']} entered {mine['last_share']:.0%} of its collectives last "
-                         f"({mine['collectives_per_step']:g} a step compared)")  # fmt: skip
+    if arrivals.get("busy_adjusted"):
+        lines.append("busy time less the waits for later arrivals that no bracket saw (the phases keep them).")
     for c in arrivals.get("cleared") or []:
         lines.append(f"not a straggler: rank {c['rank']}: {c['reason']}.")
     for d in arrivals.get("disagree") or []:
@@ -64,7 +60,8 @@ def arrival_lines(report: dict[str, Any]) -> list[str]:
                      "clocks are not comparable).")  # fmt: skip
     lost = sum((arrivals.get("lost_entries") or {}).values())
     if lost:
-        lines.append(f"arrival order: {lost} collectives PyTorch recorded were overwritten before they were read.")
+        lines.append(f"arrival order: {lost} collectives PyTorch recorded were not read before its ring "
+                     "overwrote them (reads wait for close once one is costly); the rest were compared.")  # fmt: skip
     return lines
 
 
@@ -73,6 +70,7 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
     lines = []
     stragglers = report["stragglers"]
     unavailable = report.get("busy_unavailable") or []
+    arrived = {x["rank"]: x for x in (report.get("arrivals") or {}).get("ranks") or []}
     for u in unavailable:
         lines.append(f"busy time unavailable: {u['reason']} (rank {_ranks(u['ranks'])}).")
     if unavailable:
@@ -96,6 +94,10 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
             if code:
                 lines.append(f"    code: {code}")
             lines += [f"    try: {h}" for h in s.get("hints") or []]
+            mine = arrived.get(s["rank"])
+            if mine is not None:
+                lines.append(f"    arrivals: entered {mine['last_share']:.0%} of its collectives last "
+                             f"({mine['collectives_per_step']:g} a step compared)")  # fmt: skip
     else:
         lines.append("no consistently slow rank.")
     lines += arrival_lines(report)

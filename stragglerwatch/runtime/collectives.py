@@ -16,10 +16,12 @@ an entry to unpickle, holding the interpreter lock throughout: 35 to 130 ms for 
 which the training thread waits, and with it, at its next collective, every other rank. So reads are
 paced by a budget (after a read that took ``d`` seconds the next comes no sooner than ``d / budget``
 later, ``budget`` 1% of the wall clock), and once a read takes longer than ``MAX_READ_S`` (the ring
-has filled) reads wait for close, which reads the ring's last entries. A job with fewer collectives
-than the ring holds is recorded whole; a longer one keeps its first stretch and its last ring's worth
-(``TORCH_FR_BUFFER_SIZE`` of a few hundred keeps every read short, at the price of a shorter history
-in PyTorch's own dumps). Entries the ring overwrote between two reads are counted as lost, never
+has filled) reads are made only every ``ALIGNED_S`` seconds, at the same wall-clock moment on every
+rank, so that the ranks' stalls overlap (one stall of the job, not one per rank), and at close. A job
+with fewer collectives than the ring holds is recorded whole; a longer one keeps its first stretch,
+a ring's worth every ``ALIGNED_S`` and its last ring's worth (``TORCH_FR_BUFFER_SIZE`` of a few
+hundred keeps every read short and the record whole, at the price of a shorter history in PyTorch's
+own dumps). Entries the ring overwrote between two reads are counted as lost, never
 guessed; so is everything after ``max_bytes`` written.
 
 A file line: ``{"restart", "attach", "t", "lost", "groups": [name, ...], "rows": [[group index,
@@ -42,11 +44,14 @@ from stragglerwatch.runtime.log import Problems
 #: The share of the wall clock the reads may take (their cost is measured, not assumed).
 BUDGET = 0.01
 #: What one rank's file may grow to; then reading stops, and that is said once.
-MAX_BYTES = 64 << 20
+MAX_BYTES = 16 << 20
 #: A read holds the interpreter lock throughout (the dump and its unpickling are single C calls), which
 #: stalls the training thread and, through the next collective, every rank: once one read takes longer
-#: than this, reads wait for close.
+#: than this, reads are made only at the aligned times below, and at close.
 MAX_READ_S = 0.005
+#: Once reads are costly, one every this many seconds of the wall clock, at the same moment on every
+#: rank (a multiple of it since the epoch), so that the ranks' stalls overlap instead of adding up.
+ALIGNED_S = 300.0
 
 
 def _dump() -> bytes | None:
@@ -70,15 +75,22 @@ class CollectiveLog:
         self.problems = problems or Problems()
         self.cursor = -1  # the last record_id copied
         self._next_at = 0.0
+        self._aligned_at = 0.0
         self.rows = self.lost = self.reads = self.failures = 0
         self.seconds = 0.0  # spent reading, in all
         self.longest = 0.0
         self.written = 0
         self.stopped: str | None = None  # why reading stopped, once it has
-        self.deferred = False  # reads wait for close: one took longer than MAX_READ_S
+        self.deferred = False  # reads only at aligned times: one took longer than MAX_READ_S
+        self._aligned_s = ALIGNED_S
 
     def __call__(self, records: list[Any]) -> None:
-        if self.stopped is None and not self.deferred and time.monotonic() >= self._next_at:
+        if self.stopped is not None:
+            return
+        if self.deferred:
+            if time.time() >= self._aligned_at:
+                self.read()
+        elif time.monotonic() >= self._next_at:
             self.read()
 
     def read(self) -> int:
@@ -107,6 +119,7 @@ class CollectiveLog:
             self.longest = max(self.longest, spent)
             self._next_at = time.monotonic() + spent / self._budget
             self.deferred = self.deferred or spent > MAX_READ_S
+            self._aligned_at = (time.time() // self._aligned_s + 1) * self._aligned_s
         return len(line["rows"]) if line is not None else 0
 
     def _line(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
