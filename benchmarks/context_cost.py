@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pyarrow as pa  # noqa: E402
 
 from stragglerwatch.record.context import CONTEXT_SCHEMA, rows_to_batch  # noqa: E402
-from stragglerwatch.runtime.gpuctx import EMPTY, open_gpu  # noqa: E402
-from stragglerwatch.runtime.hostctx import HostSampler  # noqa: E402
+from stragglerwatch.runtime.context.gpuctx import EMPTY, open_gpu  # noqa: E402
+from stragglerwatch.runtime.context.hostctx import HostSampler  # noqa: E402
 
 
 def measure(sample: Callable[[], Any], n: int) -> dict[str, float]:

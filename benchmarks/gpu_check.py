@@ -789,7 +789,7 @@ def w_fsdp2_host_cost(ctx: Ctx) -> dict[str, Any]:
 
 def w_gpu_context(ctx: Ctx) -> dict[str, Any]:
     """gpu_context: a rank's NVML context samples, when the bindings are installed."""
-    from stragglerwatch.runtime.gpuctx import cuda_uuid, load_nvml
+    from stragglerwatch.runtime.context.gpuctx import cuda_uuid, load_nvml
 
     if load_nvml() is None:
         return {"nvml": False}

@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 import stragglerwatch
-from stragglerwatch.runtime.timing import StepMarks, anatomy
-from stragglerwatch.runtime.writer import EventLogWriter
+from stragglerwatch.runtime.capture.timing import StepMarks, anatomy
+from stragglerwatch.runtime.output.writer import EventLogWriter
 
 TARGET_US = 100.0
 

@@ -78,7 +78,7 @@ def ddp_worker(args: argparse.Namespace) -> None:
     if args.variant == "attached":
         t0 = time.perf_counter()
         import stragglerwatch
-        from stragglerwatch.runtime import writer
+        from stragglerwatch.runtime.output import writer
 
         row["import_s"] = time.perf_counter() - t0
         compaction: list[float] = []
@@ -282,7 +282,7 @@ def marks_bench(n: int = 20000) -> None:
     """The probe's hooks of one step called directly, on the host clock and with CUDA-style marks."""
     import timeit
 
-    from stragglerwatch.runtime.probes import StepProbe
+    from stragglerwatch.runtime.capture.probes import StepProbe
 
     sys.path.insert(0, str(HERE.parent / "tests"))
     import fake_cuda
@@ -305,7 +305,7 @@ def marks_bench(n: int = 20000) -> None:
     sink: list = []
     host = per_step(StepProbe(sink.append, None, lambda: True), sink)
     fake_cuda.install()
-    from stragglerwatch.runtime.devices import CaptureGate, CudaMarks
+    from stragglerwatch.runtime.capture.devices import CaptureGate, CudaMarks
 
     marks = CudaMarks(CaptureGate())
     made = [0]

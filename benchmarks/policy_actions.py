@@ -36,7 +36,7 @@ from stragglerwatch.analysis.policy import ActRule, due
 from stragglerwatch.analysis.report import analyze_run
 from stragglerwatch.record.events import EventFile
 from stragglerwatch.record.simulate import GrowingRun, Injection, SimConfig, write_run
-from stragglerwatch.runtime.stragglerpolicy import StragglerPolicy
+from stragglerwatch.runtime.actions.stragglerpolicy import StragglerPolicy
 
 HERE = Path(__file__).resolve().parent
 SLOWDOWNS = (0.20, 0.30)  # injected stragglers the policy should act on (its min_slowdown is 1.15)

@@ -50,9 +50,9 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from stragglerwatch.presentation.promrules import installed_rules
 from stragglerwatch.record.rundir import RunInfo
 from stragglerwatch.record.schema import StepRecord
-from stragglerwatch.runtime.ctxmetrics import ContextCollector
-from stragglerwatch.runtime.exporter import Exporter, RankCollector, RankMetrics
-from stragglerwatch.runtime.sampler import ContextSampler
+from stragglerwatch.runtime.context.ctxmetrics import ContextCollector
+from stragglerwatch.runtime.context.sampler import ContextSampler
+from stragglerwatch.runtime.output.exporter import Exporter, RankCollector, RankMetrics
 
 #: Seconds per step in each phase of a healthy rank (a 1 s step); a straggler's compute is 20% slower
 #: and it waits that much less in the all-reduce.

@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from stragglerwatch.runtime.peers import PeerBoard
+from stragglerwatch.runtime.hangs.peers import PeerBoard
 
 
 def per_key(store: dist.TCPStore, keys: list[str]) -> int:

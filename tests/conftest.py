@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from stragglerwatch.record.rundir import RunInfo
+from stragglerwatch.runtime.capture.timing import StepMarks
 from stragglerwatch.runtime.identity import write_meta
-from stragglerwatch.runtime.timing import StepMarks
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from stragglerwatch.record.rundir import RunInfo
 from stragglerwatch.record.schema import StepRecord
-from stragglerwatch.runtime.ctxmetrics import ContextCollector
-from stragglerwatch.runtime.exporter import Exporter, RankCollector, RankMetrics
-from stragglerwatch.runtime.sampler import ContextSampler
+from stragglerwatch.runtime.context.ctxmetrics import ContextCollector
+from stragglerwatch.runtime.context.sampler import ContextSampler
+from stragglerwatch.runtime.output.exporter import Exporter, RankCollector, RankMetrics
 
 #: Seconds a healthy rank spends per step in each phase (the slow rank adds to forward and backward).
 BASE = {"data_wait": 0.001, "forward": 0.010, "backward": 0.020, "allreduce_wait": 0.005, "collective_wait": 0.001,

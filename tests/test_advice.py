@@ -142,7 +142,7 @@ def test_loader_settings_are_recorded_at_wrap(tmp_path: Path) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     import stragglerwatch
-    from stragglerwatch.runtime.coverage import loader_settings
+    from stragglerwatch.runtime.capture.coverage import loader_settings
 
     data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
     loader = DataLoader(data, batch_size=8, num_workers=0, pin_memory=False)

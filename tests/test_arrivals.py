@@ -16,7 +16,7 @@ import torch.distributed as dist
 from stragglerwatch.analysis.arrivals import arrivals, summary, unseen_wait, victims, without_unseen
 from stragglerwatch.analysis.detect import StepMatrix, Straggler
 from stragglerwatch.record.collectives import load_collectives
-from stragglerwatch.runtime.collectives import CollectiveLog
+from stragglerwatch.runtime.capture.collectives import CollectiveLog
 
 MS = 1e-3
 

@@ -19,8 +19,8 @@ import stragglerwatch
 from stragglerwatch.analysis.codeprofile import locate
 from stragglerwatch.presentation.render import code_text, verdict_lines
 from stragglerwatch.record.codelog import load_code
-from stragglerwatch.runtime.codemetrics import CodeCollector
-from stragglerwatch.runtime.codesampler import CodeSampler, Locator
+from stragglerwatch.runtime.context.codemetrics import CodeCollector
+from stragglerwatch.runtime.context.codesampler import CodeSampler, Locator
 
 HERE = Path(__file__).name
 

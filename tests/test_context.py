@@ -16,10 +16,10 @@ from fake_nvml import Device, FakeNVML
 
 from stragglerwatch.record.context import COLUMNS, REASONS, decode_reasons, load_context
 from stragglerwatch.record.steplog import RunDirWarning
-from stragglerwatch.runtime.gpuctx import GpuSampler, open_gpu
-from stragglerwatch.runtime.hostctx import HostSampler, cpu_list, cpu_list_text
+from stragglerwatch.runtime.context.gpuctx import GpuSampler, open_gpu
+from stragglerwatch.runtime.context.hostctx import HostSampler, cpu_list, cpu_list_text
+from stragglerwatch.runtime.context.sampler import ContextSampler
 from stragglerwatch.runtime.log import Problems
-from stragglerwatch.runtime.sampler import ContextSampler
 
 NAN_FIELDS = ("sm_clock_mhz", "temperature_c", "power_w", "pcie_replays")
 

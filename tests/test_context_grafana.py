@@ -23,10 +23,10 @@ from test_prometheus import scrape
 
 from stragglerwatch.presentation.grafana import context_panels, dashboards
 from stragglerwatch.record.rundir import RunInfo
-from stragglerwatch.runtime.ctxmetrics import ContextCollector
-from stragglerwatch.runtime.exporter import Exporter, RankCollector, RankMetrics
-from stragglerwatch.runtime.gpuctx import GpuSampler
-from stragglerwatch.runtime.sampler import ContextSampler
+from stragglerwatch.runtime.context.ctxmetrics import ContextCollector
+from stragglerwatch.runtime.context.gpuctx import GpuSampler
+from stragglerwatch.runtime.context.sampler import ContextSampler
+from stragglerwatch.runtime.output.exporter import Exporter, RankCollector, RankMetrics
 
 PROMETHEUS = shutil.which("prometheus")
 

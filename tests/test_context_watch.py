@@ -21,8 +21,8 @@ from torch import nn
 
 import stragglerwatch
 from stragglerwatch.record.context import REASONS, load_context
-from stragglerwatch.runtime.ctxmetrics import ContextCollector
-from stragglerwatch.runtime.sampler import ContextSampler
+from stragglerwatch.runtime.context.ctxmetrics import ContextCollector
+from stragglerwatch.runtime.context.sampler import ContextSampler
 
 
 def scrape(port: int) -> dict:
@@ -119,7 +119,7 @@ def test_gpu_rank_finds_its_device_through_pynvml(monkeypatch: pytest.MonkeyPatc
 def test_gpu_series_carry_dcgm_labels() -> None:
     dev = Device(index=2, uuid="GPU-abc", reasons=0x40 | 0x20, sm_clock=1200, pcie_replays=7, nvlinks=2)
     sampler = ContextSampler(None, 5, open_gpu_sampler=lambda: None)
-    from stragglerwatch.runtime.gpuctx import GpuSampler
+    from stragglerwatch.runtime.context.gpuctx import GpuSampler
 
     sampler.gpu = GpuSampler(FakeNVML([dev]), 0)
     sampler.sample_once()

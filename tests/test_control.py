@@ -17,9 +17,9 @@ from torch import nn
 import stragglerwatch
 from stragglerwatch.cli.commands import main as cli
 from stragglerwatch.record.events import latest_stall, read_events
-from stragglerwatch.runtime import debugserver
-from stragglerwatch.runtime.controlfile import status, write_request
-from stragglerwatch.runtime.controlspec import CONTROL_FILE, ControlError, parse_settings
+from stragglerwatch.runtime.controls import debugserver
+from stragglerwatch.runtime.controls.controlfile import status, write_request
+from stragglerwatch.runtime.controls.controlspec import CONTROL_FILE, ControlError, parse_settings
 
 _OPEN: list[stragglerwatch.Watch] = []
 

@@ -18,9 +18,9 @@ from torch import nn
 
 import stragglerwatch
 from stragglerwatch.record.events import read_events
-from stragglerwatch.runtime.devices import CaptureGate, CudaMarks, compute_device
+from stragglerwatch.runtime.capture.devices import CaptureGate, CudaMarks, compute_device
+from stragglerwatch.runtime.capture.probes import StepProbe
 from stragglerwatch.runtime.identity import AttachError
-from stragglerwatch.runtime.probes import StepProbe
 
 MS = 1e-3
 

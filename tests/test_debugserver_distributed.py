@@ -23,7 +23,7 @@ from torch import nn
 import stragglerwatch
 from stragglerwatch.cli.commands import main as cli
 from stragglerwatch.record.events import read_events
-from stragglerwatch.runtime import debugserver, debugstack
+from stragglerwatch.runtime.controls import debugserver, debugstack
 
 pytestmark = pytest.mark.distributed
 

@@ -14,7 +14,7 @@ from stragglerwatch import RunDirError, RunDirWarning, load_run
 from stragglerwatch.cli.commands import main as cli_main
 from stragglerwatch.record.schema import RUN_COLUMNS, SCHEMA_VERSION
 from stragglerwatch.record.steplog import log_path
-from stragglerwatch.runtime.writer import EventLogWriter
+from stragglerwatch.runtime.output.writer import EventLogWriter
 
 
 def write_steps(

@@ -26,8 +26,8 @@ import stragglerwatch
 from stragglerwatch import Config, ConfigError
 from stragglerwatch.record.events import read_events
 from stragglerwatch.record.steplog import RunDirError, log_files
+from stragglerwatch.runtime.hangs.peers import PeerBoard
 from stragglerwatch.runtime.log import Problems
-from stragglerwatch.runtime.peers import PeerBoard
 
 FAULTS = ROOT / "tests" / "workers" / "faults.py"
 

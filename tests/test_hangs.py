@@ -14,7 +14,7 @@ from torch import nn
 import stragglerwatch
 from stragglerwatch.analysis.hangs import classify, hangs_from_events
 from stragglerwatch.record.events import read_events
-from stragglerwatch.runtime.peers import PeerBoard
+from stragglerwatch.runtime.hangs.peers import PeerBoard
 
 W = "allreduce_wait"
 

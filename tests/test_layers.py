@@ -29,6 +29,20 @@ ALLOWED: dict[str, set[str]] = {
     "__main__": {"cli"},
 }
 FOUNDATION = {"_version", "_extras", "_compat"}  # import nothing of ours; anything may import them
+#: inside ``runtime``: sub-package (or top module) -> the sub-packages it may import besides itself and
+#: ``runtime.log`` (the problem reporter every part uses). ``runtime.watch`` (``attach``) alone assembles them.
+RUNTIME_ALLOWED: dict[str, set[str]] = {
+    "capture": set(),  # measuring the step
+    "output": {"capture"},  # the step log thread, the exporter
+    "actions": set(),  # the opt-in policies
+    "hangs": {"capture", "actions"},  # the watchdog and what a stall leaves
+    "context": set(),  # host, GPU and code samplers
+    "controls": {"capture", "hangs", "output"},  # runtime control, the debug server
+    "config": set(),
+    "identity": set(),
+    "log": set(),
+    "watch": {"capture", "output", "actions", "hangs", "context", "controls", "config", "identity"},
+}
 NO_TORCH = ("record", "analysis", "evidence", "presentation")
 
 
@@ -139,6 +153,40 @@ def test_every_module_is_in_a_subpackage_of_a_known_role() -> None:
     assert flat == [], "modules sit in the subpackage of their role, not beside them"
 
 
+def runtime_part(module: str) -> str:
+    """``stragglerwatch.runtime.capture.probes`` -> ``capture``; ``stragglerwatch.runtime.watch`` -> ``watch``."""
+    return module.split(".")[2]
+
+
+def runtime_against_order(g: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for src, targets in sorted(g.items()):
+        if layer(src) != "runtime" or src.count(".") < 2:
+            continue
+        here = runtime_part(src)
+        for dst in sorted(targets):
+            if layer(dst) != "runtime" or dst.count(".") < 2:
+                continue
+            there = runtime_part(dst)
+            allowed = RUNTIME_ALLOWED.get(here, set())
+            if there not in (here, "log") and there not in allowed:
+                bad.append(f"{src} -> {dst} (runtime.{here} may import only {sorted(allowed)})")
+    return bad
+
+
+def test_runtime_is_in_sub_packages_by_role_imported_one_way() -> None:
+    g = graph()
+    runtime = [m for m in g if layer(m) == "runtime" and m.count(".") >= 2]
+    parts = {runtime_part(m) for m in runtime}
+    assert parts <= set(RUNTIME_ALLOWED), sorted(parts - set(RUNTIME_ALLOWED))
+    loose = sorted(m for m in runtime if m.count(".") == 2 and runtime_part(m) not in
+                   {"config", "identity", "log", "watch"} and not (PACKAGE / "runtime" / runtime_part(m)).is_dir())
+    assert loose == [], "a runtime module sits in the sub-package of what it does"
+    assert runtime_against_order(g) == []
+    assert runtime_against_order({"stragglerwatch.runtime.capture.a": {"stragglerwatch.runtime.hangs.b"}}) == [
+        "stragglerwatch.runtime.capture.a -> stragglerwatch.runtime.hangs.b (runtime.capture may import only [])"]
+
+
 def test_no_import_circles() -> None:
     assert cycles(graph()) == []
 
@@ -171,7 +219,7 @@ def test_old_import_paths_work_with_a_deprecation_warning() -> None:
     with pytest.warns(DeprecationWarning, match=r"stragglerwatch\.eventlog is deprecated.*record\.steplog"):
         import stragglerwatch.eventlog as old  # noqa: F401
     from stragglerwatch.record.steplog import load_run
-    from stragglerwatch.runtime.writer import EventLogWriter
+    from stragglerwatch.runtime.output.writer import EventLogWriter
 
     assert old.load_run is load_run and old.EventLogWriter is EventLogWriter, "a split module's names, both halves"
     with pytest.warns(DeprecationWarning, match=r"stragglerwatch\.analysis\.analyze_run is deprecated"):

@@ -17,9 +17,10 @@ from torch import nn
 
 import stragglerwatch
 from stragglerwatch.record.events import read_events
-from stragglerwatch.runtime import probes, writer
-from stragglerwatch.runtime.devices import graph_class
-from stragglerwatch.runtime.taps import ISSUE_METHODS, process_group_class, scaler_class, work_class
+from stragglerwatch.runtime.capture import probes
+from stragglerwatch.runtime.capture.devices import graph_class
+from stragglerwatch.runtime.capture.taps import ISSUE_METHODS, process_group_class, scaler_class, work_class
+from stragglerwatch.runtime.output import writer
 
 
 def quiet(model: nn.Module, run: Path, **settings):

@@ -16,10 +16,10 @@ import pytest
 from stragglerwatch.analysis.policy import ActRule, actions_from_events, due, slurm_hostlist, why_not
 from stragglerwatch.record.events import EventFile, read_events
 from stragglerwatch.record.simulate import Injection, SimConfig, write_run
+from stragglerwatch.runtime.actions.hangabort import HANG_EXIT_STATUS, HangAbort, forget_group_keys, restart_caveat
+from stragglerwatch.runtime.actions.stragglerpolicy import StragglerPolicy, read_hosts, write_exclusion
 from stragglerwatch.runtime.config import Config, ConfigError
-from stragglerwatch.runtime.hangabort import HANG_EXIT_STATUS, HangAbort, forget_group_keys, restart_caveat
 from stragglerwatch.runtime.log import Problems
-from stragglerwatch.runtime.stragglerpolicy import StragglerPolicy, read_hosts, write_exclusion
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -315,7 +315,7 @@ def test_the_exporter_serves_the_actions_only_with_a_policy_on(tmp_path: Path) -
     from prometheus_client import CollectorRegistry, generate_latest
 
     from stragglerwatch.record.rundir import RunInfo
-    from stragglerwatch.runtime.exporter import RankCollector, RankMetrics
+    from stragglerwatch.runtime.output.exporter import RankCollector, RankMetrics
 
     def scrape(policy) -> str:
         registry = CollectorRegistry()

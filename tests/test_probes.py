@@ -20,8 +20,8 @@ from torch.utils import _pytree
 import stragglerwatch
 from stragglerwatch.cli.commands import main as cli
 from stragglerwatch.record.schema import PHASE_COLUMNS
-from stragglerwatch.runtime.probes import _grad_tensors
-from stragglerwatch.runtime.taps import (
+from stragglerwatch.runtime.capture.probes import _grad_tensors
+from stragglerwatch.runtime.capture.taps import (
     ISSUE_METHODS,
     process_group_class,
     scaler_class,
@@ -236,8 +236,8 @@ def test_comm_hook_conflict_is_one_clear_error(one_rank_group, tmp_path: Path) -
 
 def test_an_issue_is_a_bracket_only_when_it_returns_no_work() -> None:
     """gloo (a ``Work``): the issue's bracket is dropped, the wait's kept; NCCL >= 2.8 (None): kept."""
-    from stragglerwatch.runtime.probes import StepProbe
-    from stragglerwatch.runtime.taps import _issue_wrapper, _wait_wrapper
+    from stragglerwatch.runtime.capture.probes import StepProbe
+    from stragglerwatch.runtime.capture.taps import _issue_wrapper, _wait_wrapper
 
     marks: list[tuple[float, float]] = []
     probe = StepProbe(marks.append)

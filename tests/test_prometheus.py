@@ -137,7 +137,7 @@ def test_work_counters_sum_the_measured_steps_in_both_modes(lean: bool, tmp_path
     from synthetic_ranks import step_record
 
     from stragglerwatch.record.rundir import RunInfo
-    from stragglerwatch.runtime.exporter import MAX_UNITS, RankCollector, RankMetrics
+    from stragglerwatch.runtime.output.exporter import MAX_UNITS, RankCollector, RankMetrics
 
     metrics = RankMetrics()
     registry = CollectorRegistry(auto_describe=False)

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from stragglerwatch.record.schema import PHASE_COLUMNS, StepRecord, records_to_batch
-from stragglerwatch.runtime.intervals import _carve_python, _carve_regions, _carve_sweep, carve
-from stragglerwatch.runtime.timing import StepMarks, anatomy, gaps
+from stragglerwatch.runtime.capture.intervals import _carve_python, _carve_regions, _carve_sweep, carve
+from stragglerwatch.runtime.capture.timing import StepMarks, anatomy, gaps
 
 
 def marks(**kw: object) -> StepMarks:

@@ -19,11 +19,11 @@ from torch import nn
 import stragglerwatch
 from stragglerwatch.record.schema import STEP_SCHEMA
 from stragglerwatch.record.steplog import work_unit
-from stragglerwatch.runtime.devices import CaptureGate, CudaMarks
-from stragglerwatch.runtime.probes import StepProbe
-from stragglerwatch.runtime.shadows import time_as_forward
-from stragglerwatch.runtime.timing import StepMarks, anatomy, resolve_cuda
-from stragglerwatch.runtime.work import DeviceCounts, forward_work
+from stragglerwatch.runtime.capture.devices import CaptureGate, CudaMarks
+from stragglerwatch.runtime.capture.probes import StepProbe
+from stragglerwatch.runtime.capture.shadows import time_as_forward
+from stragglerwatch.runtime.capture.timing import StepMarks, anatomy, resolve_cuda
+from stragglerwatch.runtime.capture.work import DeviceCounts, forward_work
 
 
 class Tokens(nn.Module):

@@ -390,8 +390,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
 
 def _add_control(sub: argparse._SubParsersAction) -> None:
     def run(args: argparse.Namespace) -> int:
-        from stragglerwatch.runtime.controlfile import command
-        from stragglerwatch.runtime.controlspec import ControlError
+        from stragglerwatch.runtime.controls.controlfile import command
+        from stragglerwatch.runtime.controls.controlspec import ControlError
 
         try:
             return command(args.run_dir, args.set, args.rank, args.wait)

@@ -1,5 +1,5 @@
 """Reader of ``collectives-NNNNN.jsonl``: the collectives PyTorch recorded on each rank (written by
-``runtime/collectives.py``), one row per collective: group name (with the attempt: ``NAME@RESTART``),
+``runtime/capture/collectives.py``), one row per collective: group name (with the attempt: ``NAME@RESTART``),
 sequence number in the group,
 created (Unix seconds), issued on the training thread, operation. Lines that are not ours are
 skipped and counted, never raised.

@@ -2,7 +2,7 @@
 
 Design: the hot path never builds these records. Probes only append raw time
 marks (see ``timing``); the event-log thread turns resolved marks into
-``StepRecord`` tuples with :func:`stragglerwatch.runtime.timing.anatomy` and writes them
+``StepRecord`` tuples with :func:`stragglerwatch.runtime.capture.timing.anatomy` and writes them
 as Arrow record batches with :data:`STEP_SCHEMA`. ``load_run`` returns the same
 columns plus ``world_size``.
 

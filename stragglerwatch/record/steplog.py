@@ -3,7 +3,7 @@
 (``work_unit``), and the compaction of a stream into Parquet (``compact_stream``).
 
 A rank's log is ``rank-NNNNN.arrows`` (an Arrow IPC stream, one record batch a flush, while the rank
-runs; written by ``stragglerwatch.runtime.writer``) and ``rank-NNNNN.parquet`` once compacted (written
+runs; written by ``stragglerwatch.runtime.output.writer``) and ``rank-NNNNN.parquet`` once compacted (written
 to a temporary name and renamed atomically), so finished runs are read natively by DuckDB and Spark.
 A batch cut in half by a crash is detected and dropped with a warning; a damaged or foreign file is
 skipped with a :class:`RunDirWarning`, never a traceback.

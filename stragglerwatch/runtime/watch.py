@@ -39,38 +39,38 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from stragglerwatch.record.events import BOUNDED_WRITE_S, EventFile
 from stragglerwatch.record.rundir import RunInfo
 from stragglerwatch.record.steplog import log_path
-from stragglerwatch.runtime.codemetrics import CodeCollector
-from stragglerwatch.runtime.codesampler import CodeSampler
-from stragglerwatch.runtime.collectives import CollectiveLog
-from stragglerwatch.runtime.config import CODE_HZ, Config
-from stragglerwatch.runtime.control import Controls
-from stragglerwatch.runtime.coverage import UnavailableNotes, coverage_notes, unseen_communication
-from stragglerwatch.runtime.ctxmetrics import ContextCollector
-from stragglerwatch.runtime.datamark import DataMark, mark_fetch
-from stragglerwatch.runtime.devices import CaptureGate, CudaMarks, compute_device, device_progress
-from stragglerwatch.runtime.exporter import Exporter, RankCollector, RankMetrics
-from stragglerwatch.runtime.hangabort import HangAbort, exit_now, restart_caveat
-from stragglerwatch.runtime.identity import AttachError, discover, write_meta
-from stragglerwatch.runtime.log import LOGGER, Problems
-from stragglerwatch.runtime.models import ModelInfo, inspect_model, mesh_role
-from stragglerwatch.runtime.nativestacks import NativeStacks
-from stragglerwatch.runtime.peers import PeerBoard
-from stragglerwatch.runtime.probes import StepProbe, TimedIterable
-from stragglerwatch.runtime.sampler import ContextSampler
-from stragglerwatch.runtime.shadows import (
+from stragglerwatch.runtime.actions.hangabort import HangAbort, exit_now, restart_caveat
+from stragglerwatch.runtime.actions.stragglerpolicy import StragglerPolicy
+from stragglerwatch.runtime.capture.collectives import CollectiveLog
+from stragglerwatch.runtime.capture.coverage import UnavailableNotes, coverage_notes, unseen_communication
+from stragglerwatch.runtime.capture.datamark import DataMark, mark_fetch
+from stragglerwatch.runtime.capture.devices import CaptureGate, CudaMarks, compute_device, device_progress
+from stragglerwatch.runtime.capture.models import ModelInfo, inspect_model, mesh_role
+from stragglerwatch.runtime.capture.probes import StepProbe, TimedIterable
+from stragglerwatch.runtime.capture.shadows import (
     time_as_forward,
     time_buffer_sync,
     time_fetch,
     time_forward,
     time_fsdp_waits,
 )
-from stragglerwatch.runtime.shutdown import ShutdownHooks
-from stragglerwatch.runtime.stragglerpolicy import StragglerPolicy
-from stragglerwatch.runtime.taps import tap_collectives, tap_scaler
-from stragglerwatch.runtime.timing import resolve_cuda
-from stragglerwatch.runtime.watchdog import Watchdog
-from stragglerwatch.runtime.work import DeviceCounts
-from stragglerwatch.runtime.writer import EventLogWriter
+from stragglerwatch.runtime.capture.taps import tap_collectives, tap_scaler
+from stragglerwatch.runtime.capture.timing import resolve_cuda
+from stragglerwatch.runtime.capture.work import DeviceCounts
+from stragglerwatch.runtime.config import CODE_HZ, Config
+from stragglerwatch.runtime.context.codemetrics import CodeCollector
+from stragglerwatch.runtime.context.codesampler import CodeSampler
+from stragglerwatch.runtime.context.ctxmetrics import ContextCollector
+from stragglerwatch.runtime.context.sampler import ContextSampler
+from stragglerwatch.runtime.controls.control import Controls
+from stragglerwatch.runtime.hangs.nativestacks import NativeStacks
+from stragglerwatch.runtime.hangs.peers import PeerBoard
+from stragglerwatch.runtime.hangs.shutdown import ShutdownHooks
+from stragglerwatch.runtime.hangs.watchdog import Watchdog
+from stragglerwatch.runtime.identity import AttachError, discover, write_meta
+from stragglerwatch.runtime.log import LOGGER, Problems
+from stragglerwatch.runtime.output.exporter import Exporter, RankCollector, RankMetrics
+from stragglerwatch.runtime.output.writer import EventLogWriter
 
 CommHook = tuple[Any, Callable[[Any, Any], torch.futures.Future]]
 
@@ -478,24 +478,44 @@ def attach(
 
 
 def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
-    """Start the log, the watchdog and the exporter and register the hooks, each kept on ``watch``."""
-    info, problems = watch.info, watch.problems
+    """Start the log, the watchdog and the exporter and register the hooks, each kept on ``watch``: the
+    one place where the runtime's sub-packages meet (capture, output, hangs, actions, context, controls)."""
+    info = watch.info
     if info is None:
         raise RuntimeError("no run identity")
     model, ddp = parts.outer, parts.ddp
-    is_ddp = ddp is not None
-    bucket_timings = is_ddp and (cfg.bucket_timings or cfg.comm_hook is not None)
     device = compute_device(model, parts.mesh, ddp)
     on_gpu = cfg.timing == "cuda" or (cfg.timing in (None, "auto") and device.type == "cuda")
-    timing = "cuda" if on_gpu else "host"
+    rank_meta, write_metadata = _metadata(watch, parts, cfg, device, on_gpu)
+    probe = _start_capture(watch, parts, cfg, on_gpu, write_metadata, rank_meta)
+    _start_hangs(watch, cfg, probe)
+    _start_samplers(watch, cfg, device, probe)
+    if cfg.prometheus_port is not None:
+        _start_exporter(watch, cfg)
+    _hook(watch, parts, cfg, probe, on_gpu)
+    if watch._watchdog is not None:
+        watch._shutdown = ShutdownHooks(watch._watchdog)
+        watch._watchdog.start()
+    for sampler in (watch._context, watch._code, watch._policy):
+        if sampler is not None:
+            sampler.start()
+    watch.controls.start(cfg.control_interval_s, cfg.debug_server_port, cfg.debug_server_host)
+
+
+def _metadata(watch: Watch, parts: ModelInfo, cfg: Config, device: torch.device, on_gpu: bool
+              ) -> tuple[dict[str, Any], Callable[[], None]]:  # fmt: skip
+    """The run's and this rank's metadata, written now; the rank's dict and a writer for it."""
+    info, problems = watch.info, watch.problems
+    assert info is not None
+    model, is_ddp = parts.outer, parts.ddp is not None
     settings = {"flush_interval_s": cfg.flush_interval_s, "fsync_interval_s": cfg.fsync_interval_s,
                 "watchdog_timeout_s": cfg.watchdog_timeout_s, "prometheus_port": cfg.prometheus_port,
                 "prometheus_mode": cfg.prometheus_mode or "full", "ddp": is_ddp, "fsdp2": parts.fsdp2,
-                "compiled": parts.compiled, "bucket_timings": bucket_timings,
+                "compiled": parts.compiled, "bucket_timings": _bucket_timings(parts, cfg),
                 "context_interval_s": cfg.context_interval_s,
                 "code_sample_hz": CODE_HZ if cfg.code_sample_hz is None else cfg.code_sample_hz}  # fmt: skip
     role = cfg.role if cfg.role is not None else mesh_role(parts.mesh)
-    rank_meta: dict[str, Any] = {"device": str(device), "timing": timing, "role": role}
+    rank_meta: dict[str, Any] = {"device": str(device), "timing": "cuda" if on_gpu else "host", "role": role}
     unseen = unseen_communication(parts.target or model)
     coverage = coverage_notes(parts.target or model, parts.compiled, info.world_size)
     if coverage:
@@ -509,26 +529,40 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
 
     try:
         write_metadata()
-        path = log_path(info.run_dir, info.rank)
     except OSError as exc:
         raise RuntimeError(f"cannot write run dir {info.run_dir} ({exc})") from None
+    return rank_meta, write_metadata
+
+
+def _bucket_timings(parts: ModelInfo, cfg: Config) -> bool:
+    return parts.ddp is not None and (cfg.bucket_timings or cfg.comm_hook is not None)
+
+
+def _start_capture(watch: Watch, parts: ModelInfo, cfg: Config, on_gpu: bool, write_metadata: Callable[[], None],
+                   rank_meta: dict[str, Any]) -> StepProbe:  # fmt: skip
+    """The step log thread (``output``), the probe that feeds it and what observes its records
+    (``capture``: the reasons busy time cannot be measured, PyTorch's record of the collectives)."""
+    info, problems = watch.info, watch.problems
+    assert info is not None
+    model, ddp = parts.outer, parts.ddp
+    timing = "cuda" if on_gpu else "host"
     gate = watch._gate = CaptureGate().install() if on_gpu else None
     if gate is not None:
         watch._handles.append(gate)
         watch._marks = CudaMarks(gate)
     writer = watch._writer = EventLogWriter(
-        path, info.rank, watch._wall_anchor, timing=timing, resolve=resolve_cuda if on_gpu else None,
-        flush_interval_s=cfg.flush_interval_s, fsync_interval_s=cfg.fsync_interval_s, restart=info.restart,
-        attach=info.attach, problems=problems, on_reopen=write_metadata, gate=gate.quiet if gate else None,
-        close_timeout_s=cfg.close_timeout_s,
+        log_path(info.run_dir, info.rank), info.rank, watch._wall_anchor, timing=timing,
+        resolve=resolve_cuda if on_gpu else None, flush_interval_s=cfg.flush_interval_s,
+        fsync_interval_s=cfg.fsync_interval_s, restart=info.restart, attach=info.attach, problems=problems,
+        on_reopen=write_metadata, gate=gate.quiet if gate else None, close_timeout_s=cfg.close_timeout_s,
     )  # fmt: skip
     probe = watch._probe = StepProbe(
         writer.submit,
         watch._marks.mark if watch._marks is not None else None,
-        (lambda: ddp.require_backward_grad_sync) if is_ddp else None,
+        (lambda: ddp.require_backward_grad_sync) if ddp is not None else None,
         ender=id(cfg.optimizer) if cfg.optimizer is not None else None,
         params={id(p) for p in model.parameters()},
-        expect_comm=info.world_size > 1 and not is_ddp and unseen is None,
+        expect_comm=info.world_size > 1 and ddp is None and "busy_unavailable" not in rank_meta,
         on_unavailable=lambda reason: problems.report("unavailable", f"busy time unavailable: {reason}"),
         problems=problems,
         device_counts=DeviceCounts(gate) if gate is not None else None,
@@ -540,6 +574,15 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
                                            ids=(info.restart, info.attach), problems=problems)  # fmt: skip
         writer.observers.append(watch._collectives)
     watch._events = EventFile(info.run_dir / f"events-{info.rank:05d}.jsonl")
+    return probe
+
+
+def _start_hangs(watch: Watch, cfg: Config, probe: StepProbe) -> None:
+    """The watchdog (``hangs``), with the hang policy (``actions``) when asked for, and the straggler
+    policy's thread on rank 0."""
+    info, problems, writer = watch.info, watch.problems, watch._writer
+    assert info is not None and writer is not None and watch._events is not None
+    gate = watch._gate
     if cfg.watchdog_timeout_s is None or cfg.watchdog_timeout_s > 0:
         native = NativeStacks(info.run_dir / f"stacks-{info.rank:05d}.txt") if cfg.native_stacks else None
         watch._watchdog = Watchdog(
@@ -561,6 +604,12 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
             exclude_file=Path(cfg.exclude_file) if cfg.exclude_file else None, interval_s=cfg.policy_interval_s,
             problems=problems, ids={"restart": info.restart, "attach": info.attach},
         )  # fmt: skip
+
+
+def _start_samplers(watch: Watch, cfg: Config, device: torch.device, probe: StepProbe) -> None:
+    """The host and GPU context sampler and the code sampler (``context``)."""
+    info, problems = watch.info, watch.problems
+    assert info is not None
     if cfg.context_interval_s:
         gpu = _cuda_index(device) if device.type == "cuda" else None
         watch._context = ContextSampler(info.run_dir, info.rank, interval_s=cfg.context_interval_s, gpu_index=gpu,
@@ -568,24 +617,33 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
     code_hz = CODE_HZ if cfg.code_sample_hz is None else cfg.code_sample_hz
     if code_hz:
         watch._code = CodeSampler(info.run_dir, info.rank, probe.sampled, hz=code_hz, problems=problems)
-    if cfg.prometheus_port is not None:
-        metrics = RankMetrics()
-        writer.observers.append(metrics.observe)
-        lean = cfg.prometheus_mode == "lean"
-        policy = None
-        if cfg.on_hang == "abort" or watch._policy is not None:
-            def policy() -> tuple[dict[str, int], list[dict[str, Any]]]:
-                return watch._actions(), list(watch._policy.acted) if watch._policy is not None else []
-        collector = RankCollector(metrics, info, watch._watchdog, errors=lambda: writer.write_errors,
-                                  unavailable=notes.reasons, lean=lean, policy=policy)  # fmt: skip
-        watch._exporter = Exporter(collector, int(cfg.prometheus_port) + info.local_rank,
-                                   cfg.prometheus_addr or "0.0.0.0", Path(cfg.sd_dir) if cfg.sd_dir else None,
-                                   problems)  # fmt: skip
-        if watch._code is not None:
-            watch._exporter.registry.register(CodeCollector(watch._code, info.run_id, info.rank))
-        if watch._context is not None:
-            watch._exporter.registry.register(ContextCollector(watch._context, info.run_id, info.rank, info.host,
-                                                               lean=lean))  # fmt: skip
+
+
+def _start_exporter(watch: Watch, cfg: Config) -> None:
+    """This rank's Prometheus exporter (``output``) and the collectors of the samplers."""
+    info, problems, writer, notes = watch.info, watch.problems, watch._writer, watch._notes
+    assert info is not None and writer is not None and notes is not None
+    metrics = RankMetrics()
+    writer.observers.append(metrics.observe)
+    lean = cfg.prometheus_mode == "lean"
+    policy = None
+    if cfg.on_hang == "abort" or watch._policy is not None:
+        def policy() -> tuple[dict[str, int], list[dict[str, Any]]]:
+            return watch._actions(), list(watch._policy.acted) if watch._policy is not None else []
+    collector = RankCollector(metrics, info, watch._watchdog, errors=lambda: writer.write_errors,
+                              unavailable=notes.reasons, lean=lean, policy=policy)  # fmt: skip
+    watch._exporter = Exporter(collector, int(cfg.prometheus_port) + info.local_rank,  # type: ignore[arg-type]
+                               cfg.prometheus_addr or "0.0.0.0", Path(cfg.sd_dir) if cfg.sd_dir else None,
+                               problems)  # fmt: skip
+    if watch._code is not None:
+        watch._exporter.registry.register(CodeCollector(watch._code, info.run_id, info.rank))
+    if watch._context is not None:
+        watch._exporter.registry.register(ContextCollector(watch._context, info.run_id, info.rank, info.host,
+                                                           lean=lean))  # fmt: skip
+
+
+def _hook(watch: Watch, parts: ModelInfo, cfg: Config, probe: StepProbe, on_gpu: bool) -> None:
+    """The hooks on the model, its optimizers and the collectives (``capture``), kept for ``close()``."""
     handles = watch._handles
     handles += time_forward(parts, probe)
     handles.append(time_buffer_sync(parts, probe))
@@ -593,9 +651,11 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
         handles += time_fsdp_waits(parts, probe)
     handles.append(register_optimizer_step_pre_hook(probe.on_optimizer_pre))
     handles.append(register_optimizer_step_post_hook(probe.on_optimizer_post))
-    handles += [tap_collectives(probe), tap_scaler(probe)]  # issued and waited-on collectives; skipped steps
+    handles += [tap_collectives(probe), tap_scaler(probe)]  # waited-on collectives; skipped steps
     handles[:] = [h for h in handles if h is not None]
-    if bucket_timings:
+    if _bucket_timings(parts, cfg):
+        ddp = parts.ddp
+        assert ddp is not None
         state, inner = cfg.comm_hook if cfg.comm_hook is not None else (ddp.process_group, None)
         try:
             ddp.register_comm_hook(None, probe.comm_hook(inner, state))
@@ -604,13 +664,6 @@ def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
                 f"stragglerwatch: cannot add its DDP communication hook ({exc}); "
                 "attach before registering any comm hook and pass yours as attach(model, comm_hook=(state, hook))"
             ) from None
-    if watch._watchdog is not None:
-        watch._shutdown = ShutdownHooks(watch._watchdog)
-        watch._watchdog.start()
-    for sampler in (watch._context, watch._code, watch._policy):
-        if sampler is not None:
-            sampler.start()
-    watch.controls.start(cfg.control_interval_s, cfg.debug_server_port, cfg.debug_server_host)
 
 
 def _hang_abort(watch: Watch, cfg: Config) -> Callable[[Watchdog], HangAbort]:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from stragglerwatch.runtime.devices import CaptureGate, _capturing
+from stragglerwatch.runtime.capture.devices import CaptureGate, _capturing
 
 #: Slots of the pinned ring: mask counts of training forwards queued before the log thread read them.
 SLOTS = 4096

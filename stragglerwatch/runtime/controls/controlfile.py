@@ -4,7 +4,7 @@ Design: ``stragglerwatch control RUN_DIR --set K=V [--rank R]`` appends a number
 ``control.json`` (versioned; the latest 50 kept; an advisory lock keeps two operators from losing one).
 Every rank's :class:`ControlFile` thread looks at the file once per ``control_interval_s`` (one
 ``stat``), applies the requests that are new since it attached and addressed to it through the same
-:meth:`Controls.apply <stragglerwatch.runtime.control.Controls.apply>` the debug server uses, and writes what
+:meth:`Controls.apply <stragglerwatch.runtime.controls.control.Controls.apply>` the debug server uses, and writes what
 it did to ``control-ack-NNNNN.json``, which ``stragglerwatch control RUN_DIR`` reads back. Requests made
 before a rank attached are not applied to it (a restarted job does not replay old commands).
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from stragglerwatch.record.rundir import read_run_meta, write_json_atomic
-from stragglerwatch.runtime.controlspec import (
+from stragglerwatch.runtime.controls.controlspec import (
     ACK_FILE,
     CONTROL_FILE,
     CONTROL_KEYS,

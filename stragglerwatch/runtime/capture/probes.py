@@ -1,7 +1,7 @@
 """Hooks on an unchanged training loop that append time marks to the current step.
 
 Design: every hook does O(1) work — read a clock (or record a CUDA event) and
-append to a list of the current :class:`~stragglerwatch.runtime.timing.StepMarks`.
+append to a list of the current :class:`~stragglerwatch.runtime.capture.timing.StepMarks`.
 There is no synchronisation, no ``.item()``, no collective, no I/O and no
 allocation beyond the mark itself (and a training forward's work count). A finished
 step's marks are handed to a ``sink`` (the event log's queue) when the step ends.
@@ -71,9 +71,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
+from stragglerwatch.runtime.capture.timing import StepMarks
+from stragglerwatch.runtime.capture.work import DeviceCounts, Work, forward_work
 from stragglerwatch.runtime.log import Problems
-from stragglerwatch.runtime.timing import StepMarks
-from stragglerwatch.runtime.work import DeviceCounts, Work, forward_work
 
 try:
     from torch.compiler import is_compiling  # torch >= 2.3

@@ -6,7 +6,7 @@ Series (labels ``run``, ``rank``, plus ``phase`` and ``site`` on the share):
 - ``stragglerwatch_code_sample_seconds_total``: the sampler's own time, in all;
 - ``stragglerwatch_code_site_share``: of the latest window's samples (a few seconds), the share
   at each of its busiest code locations (``path:line function``, the innermost frame of the user's
-  code) in each phase; at most :data:`~stragglerwatch.runtime.codesampler.TOP` series a rank, so the
+  code) in each phase; at most :data:`~stragglerwatch.runtime.context.codesampler.TOP` series a rank, so the
   label values stay few. A rank's busiest location next to its peers' says where its time goes.
 """
 

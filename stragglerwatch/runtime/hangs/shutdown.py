@@ -20,10 +20,10 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from stragglerwatch.runtime.hangabort import HANG_EXIT_STATUS
+from stragglerwatch.runtime.actions.hangabort import HANG_EXIT_STATUS
 
 if TYPE_CHECKING:  # the watchdog owns its hooks
-    from stragglerwatch.runtime.watchdog import Watchdog
+    from stragglerwatch.runtime.hangs.watchdog import Watchdog
 
 
 

@@ -228,7 +228,7 @@ def carve_and_untimed(layers: Sequence[Layer], timed: int, lo: float, hi: float,
     """:func:`carve` of ``layers`` over [lo, hi], and the stretches that none of the first
     ``timed`` layers covers (sorted, disjoint), by whichever implementation is cheapest for the
     number of intervals. ``anchors``: instants at which an untimed stretch changes its name
-    (:func:`~stragglerwatch.runtime.timing.gaps`)."""
+    (:func:`~stragglerwatch.runtime.capture.timing.gaps`)."""
     counts = [len(iv) for _, iv in layers]
     total = sum(counts)
     if total <= PYTHON_UP_TO:

@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from stragglerwatch.record.events import latest_stall
 from stragglerwatch.record.rundir import RunInfo
-from stragglerwatch.runtime.controlspec import VERSION, clean, parse_settings, show
+from stragglerwatch.runtime.controls.controlspec import VERSION, clean, parse_settings, show
 from stragglerwatch.runtime.log import Problems
 
 if TYPE_CHECKING:
-    from stragglerwatch.runtime.controlfile import ControlFile
-    from stragglerwatch.runtime.probes import StepProbe
-    from stragglerwatch.runtime.watchdog import Watchdog
-    from stragglerwatch.runtime.writer import EventLogWriter
+    from stragglerwatch.runtime.capture.probes import StepProbe
+    from stragglerwatch.runtime.controls.controlfile import ControlFile
+    from stragglerwatch.runtime.hangs.watchdog import Watchdog
+    from stragglerwatch.runtime.output.writer import EventLogWriter
 
 
 class Watched(Protocol):
@@ -113,7 +113,7 @@ class Controls:
             return
         if control_interval_s:
             try:
-                from stragglerwatch.runtime.controlfile import ControlFile
+                from stragglerwatch.runtime.controls.controlfile import ControlFile
 
                 self._file = ControlFile(self, info.run_dir, info.rank, control_interval_s, self.problems)
                 self._file.start()
@@ -122,7 +122,7 @@ class Controls:
         if debug_server_port is None and not _torch_debug_server_running():
             return  # opt-in: nothing registered in torch, no port
         try:
-            from stragglerwatch.runtime import debugserver, debugstack
+            from stragglerwatch.runtime.controls import debugserver, debugstack
 
             debugserver.register(self)  # the worker handler, for our debug server or the user's own
             if debug_server_port is not None:
@@ -143,7 +143,7 @@ class Controls:
                 except Exception as exc:
                     self.problems.report("close", f"close: {type(part).__name__}: {type(exc).__name__}: {exc}")
         try:
-            from stragglerwatch.runtime import debugserver
+            from stragglerwatch.runtime.controls import debugserver
 
             debugserver.unregister(self)
         except Exception:
@@ -271,7 +271,7 @@ class Controls:
         out["settings"] = self.settings()
         out["stats"] = w.stats()
         try:
-            from stragglerwatch.runtime.peers import collective_counts
+            from stragglerwatch.runtime.hangs.peers import collective_counts
 
             out["collectives"] = collective_counts() if probe is not None else {}
         except Exception:

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from stragglerwatch.analysis.hangs import classify
-from stragglerwatch.runtime.controlspec import CONTROL_KEYS, ControlSurface, clean, parse_settings, show
+from stragglerwatch.runtime.controls.controlspec import CONTROL_KEYS, ControlSurface, clean, parse_settings, show
 
 HANDLER = "stragglerwatch"  # the worker handler's name: /handler/stragglerwatch
 STORE_PREFIX = "debug_server"  # torch's key layout: debug_server/rank<r> = the rank's worker URL
@@ -445,7 +445,7 @@ def handler(index: bool = False) -> Any:
     """The frontend plugin, for a debug server you start yourself::
 
         torch.distributed.debug.start_debug_server(
-            handlers=[*default_handlers(), stragglerwatch.runtime.debugserver.handler()])
+            handlers=[*default_handlers(), stragglerwatch.runtime.controls.debugserver.handler()])
 
     on every rank after ``attach`` (whose worker handler answers it). ``index``: also at ``/``."""
     return _handler_class()(index=index)

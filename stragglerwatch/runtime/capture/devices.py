@@ -12,7 +12,7 @@ user's GPU work:
   is not enough: an offloaded or partly-CPU model would get host timing, i.e. kernel launches.
 - **Marks inside a capture.** A CUDA event recorded on a stream that is capturing a CUDA graph
   becomes part of the graph and never completes outside it: such a mark is not recorded; it is a
-  :class:`~stragglerwatch.runtime.timing.CapturedMark`, and its step is dropped and counted.
+  :class:`~stragglerwatch.runtime.capture.timing.CapturedMark`, and its step is dropped and counted.
 - **Queries during a capture.** ``torch.cuda.graph`` and ``make_graphed_callables`` capture in
   ``"global"`` mode by default, in which a ``cudaEventQuery`` from *another* thread invalidates the
   user's capture (the bug PyTorch fixed in its own NCCL watchdog). :class:`CaptureGate` taps
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from stragglerwatch.runtime.taps import Tap
-from stragglerwatch.runtime.timing import CapturedMark
+from stragglerwatch.runtime.capture.taps import Tap
+from stragglerwatch.runtime.capture.timing import CapturedMark
 
 #: The most ``capture_begin`` waits for a query pass of ours to end before capturing anyway.
 BEGIN_WAIT_S = 2.0

@@ -22,9 +22,9 @@ from typing import Any
 
 from stragglerwatch.record.context import CONTEXT_SCHEMA, compact, context_path, rows_to_batch
 from stragglerwatch.record.streams import SegmentAppender
-from stragglerwatch.runtime.gpuctx import EMPTY as GPU_EMPTY
-from stragglerwatch.runtime.gpuctx import GpuSampler, open_gpu
-from stragglerwatch.runtime.hostctx import HostSampler
+from stragglerwatch.runtime.context.gpuctx import EMPTY as GPU_EMPTY
+from stragglerwatch.runtime.context.gpuctx import GpuSampler, open_gpu
+from stragglerwatch.runtime.context.hostctx import HostSampler
 from stragglerwatch.runtime.log import Problems
 
 #: Fewest seconds between two samples: the sampler is low-rate by design.

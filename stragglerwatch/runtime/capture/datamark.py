@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from stragglerwatch.runtime.probes import StepProbe
+    from stragglerwatch.runtime.capture.probes import StepProbe
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -1,6 +1,6 @@
 """What can change in a running rank, and the protocol of asking for it: the keys (:data:`CONTROL_KEYS`),
 their parsers (:func:`parse_settings`), the control and acknowledgement files' names, and
-:class:`ControlSurface`, the face of :class:`~stragglerwatch.runtime.control.Controls` that the control
+:class:`ControlSurface`, the face of :class:`~stragglerwatch.runtime.controls.control.Controls` that the control
 file, the debug server and its starter use (so that they need not import the controls, which start them).
 """
 
@@ -105,7 +105,7 @@ def clean(obj: Any) -> Any:
 
 class ControlSurface(Protocol):
     """What the control file, the debug server and its starter need of a rank's
-    :class:`~stragglerwatch.runtime.control.Controls` (a protocol: ``Controls`` starts them, so they do
+    :class:`~stragglerwatch.runtime.controls.control.Controls` (a protocol: ``Controls`` starts them, so they do
     not import it)."""
 
     debug_server: Any

@@ -43,14 +43,14 @@ from typing import TYPE_CHECKING, Any
 
 from stragglerwatch.analysis.hangs import PROGRESS_KEYS, classify, local_verdict
 from stragglerwatch.record.events import BOUNDED_WRITE_S, EventFile
-from stragglerwatch.runtime.dumps import dump_flight_recorder, thread_stacks
-from stragglerwatch.runtime.hangabort import HangAbort
+from stragglerwatch.runtime.actions.hangabort import HangAbort
+from stragglerwatch.runtime.hangs.dumps import dump_flight_recorder, thread_stacks
+from stragglerwatch.runtime.hangs.nativestacks import NativeStacks
+from stragglerwatch.runtime.hangs.peers import PeerBoard, collective_counts, collective_progress
 from stragglerwatch.runtime.log import Problems
-from stragglerwatch.runtime.nativestacks import NativeStacks
-from stragglerwatch.runtime.peers import PeerBoard, collective_counts, collective_progress
 
 if TYPE_CHECKING:  # the probe needs torch; reading a run's events must not
-    from stragglerwatch.runtime.probes import StepProbe
+    from stragglerwatch.runtime.capture.probes import StepProbe
 
 
 class Watchdog:

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from stragglerwatch.runtime.datamark import mark_fetch
-from stragglerwatch.runtime.models import ModelInfo
-from stragglerwatch.runtime.probes import StepProbe, is_compiling
+from stragglerwatch.runtime.capture.datamark import mark_fetch
+from stragglerwatch.runtime.capture.models import ModelInfo
+from stragglerwatch.runtime.capture.probes import StepProbe, is_compiling
 
 
 def run_eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:

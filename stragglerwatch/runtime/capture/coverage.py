@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from stragglerwatch.record.rundir import RunInfo, write_rank_meta
-from stragglerwatch.runtime.probes import StepProbe
+from stragglerwatch.runtime.capture.probes import StepProbe
 
 #: Model classes whose communication stragglerwatch does not see yet (by class name: none is imported).
 UNSEEN_WRAPPERS = {

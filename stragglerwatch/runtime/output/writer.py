@@ -1,6 +1,6 @@
 """The step-log writer: per-rank, crash-safe, columnar (:class:`EventLogWriter`).
 
-Design: the training thread only appends finished :class:`~stragglerwatch.runtime.timing.StepMarks`
+Design: the training thread only appends finished :class:`~stragglerwatch.runtime.capture.timing.StepMarks`
 to a deque (``submit``). A daemon thread wakes every ``flush_interval_s`` (default 1 s), resolves the
 marks (CUDA events lazily, with ``query()``, only while no CUDA graph capture is open:
 ``devices.CaptureGate``), computes the records and appends one Arrow IPC *stream* record batch to
@@ -32,8 +32,8 @@ from stragglerwatch.record.schema import (
     records_to_batch,
 )
 from stragglerwatch.record.steplog import compact_stream, log_path
+from stragglerwatch.runtime.capture.timing import DROPPED, StepMarks, anatomy
 from stragglerwatch.runtime.log import Problems
-from stragglerwatch.runtime.timing import DROPPED, StepMarks, anatomy
 
 #: Marks waiting for their CUDA events before the oldest are given up on.
 MAX_PENDING = 4096

@@ -27,10 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from stragglerwatch.record.rundir import write_json_atomic
-from stragglerwatch.runtime.controlspec import DEBUG_SERVER_FILE, ControlSurface
-from stragglerwatch.runtime.debugserver import READY_TIMEOUT_S, _env_address, _store, handler, missing, register
+from stragglerwatch.runtime.controls.controlspec import DEBUG_SERVER_FILE, ControlSurface
+from stragglerwatch.runtime.controls.debugserver import (
+    READY_TIMEOUT_S,
+    _env_address,
+    _store,
+    handler,
+    missing,
+    register,
+)
+from stragglerwatch.runtime.hangs.peers import default_store_address
 from stragglerwatch.runtime.log import LOGGER, Problems
-from stragglerwatch.runtime.peers import default_store_address
 
 # -- the stack: worker servers on every rank, the frontend process on rank 0 ------------------------------------
 
@@ -142,7 +149,7 @@ class DebugServer:
         extra = base64.b64encode(pickle.dumps(self.handlers)).decode() if self.handlers else None
         header = {"host": self.host, "port": self.port, "fetch_timeout": self.fetch_timeout_s,
                   "torch_pages": self.torch_pages, "extra": extra}  # fmt: skip
-        code = "from stragglerwatch.runtime.debugstack import _frontend_main; _frontend_main()"
+        code = "from stragglerwatch.runtime.controls.debugstack import _frontend_main; _frontend_main()"
         with self._lock:
             if self._closed:
                 return

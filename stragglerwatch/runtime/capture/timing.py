@@ -27,7 +27,7 @@ evaluation: a fetch between forward and backward is data wait, not other. Per-bu
 (``bucket_timings``).
 
 The work of the step rides along: one ``(count, unit, elements)`` per training forward (``work``; the
-count of a CUDA mask is a :class:`~stragglerwatch.runtime.work.PendingCount` until :func:`resolve_cuda`
+count of a CUDA mask is a :class:`~stragglerwatch.runtime.capture.work.PendingCount` until :func:`resolve_cuda`
 reads it: its copy was queued before the forward's end mark, so it has landed once the step's events
 completed) and what the loop noted (``noted``, ``Watch.note_work``), which replaces the forwards'
 count (:func:`step_work`) but not their elements, always those of the inputs' shapes
@@ -42,7 +42,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from stragglerwatch.record.schema import GAPS, StepRecord
-from stragglerwatch.runtime.intervals import carve_and_untimed
+from stragglerwatch.runtime.capture.intervals import carve_and_untimed
 
 #: The list-valued marks of a step, in the order :meth:`StepMarks.lengths` reports them.
 _LISTS = ("fwd_start", "fwd_end", "bwd_start", "bwd_end", "ready", "done", "sync", "comm", "evals", "opt", "data",

@@ -1,0 +1,3 @@
+"""The opt-in policies: ending a hung rank (``hangabort``) and acting on a lasting straggler
+(``stragglerpolicy``).
+"""

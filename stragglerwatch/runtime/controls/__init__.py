@@ -1,0 +1,3 @@
+"""Runtime control without a restart: the settings (``controlspec``), their application (``control``), the
+control file (``controlfile``) and the debug server (``debugserver``, ``debugstack``).
+"""
