@@ -14,6 +14,11 @@ training thread that releases the interpreter lock at every collective makes the
 it back many times a flush), and ``anatomy`` alone on synthetic marks of that many collectives,
 called directly (the pure function, without the write).
 
+Then the copy of PyTorch's record of the collectives (``runtime/capture/collectives.py``, multi-rank
+jobs only, on the same thread): one read of the Flight Recorder ring holding that many entries, its
+time (the interpreter lock is held throughout: the training thread waits that long) and, paced as it
+is, its share of the wall clock.
+
     python benchmarks/logthread_cost.py
     python benchmarks/logthread_cost.py --collectives 2 100 400 1000 --steps 500
 """
@@ -35,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 import stragglerwatch
+from stragglerwatch.runtime.capture.collectives import ALIGNED_S, BUDGET, MAX_READ_S, CollectiveLog
 from stragglerwatch.runtime.capture.timing import StepMarks, anatomy
 from stragglerwatch.runtime.output.writer import EventLogWriter
 
@@ -137,6 +143,8 @@ def main() -> None:
     p.add_argument("--collectives", type=int, nargs="+", default=[2, 100, 400], help="per step (default 2 100 400)")
     p.add_argument("--steps", type=int, default=300, help="timed steps per count (default 300)")
     p.add_argument("--repeats", type=int, default=3, help="runs per count; the median is printed (default 3)")
+    p.add_argument("--ring", type=int, nargs="*", default=[100, 400, 2000],
+                   help="entries in PyTorch's ring for the read timings (default 100 400 2000)")
     args = p.parse_args()
     torch.set_num_threads(1)
     print(f"log thread CPU per step, 1 gloo rank, default settings, {args.steps} steps, median of {args.repeats} "
@@ -154,8 +162,34 @@ def main() -> None:
                 alone = [writer_alone(marks, args.steps, tmp) for _ in range(args.repeats)] if marks else []
                 print(f"| {n} | {cpu * 1e6:.0f} us | {statistics.median(alone) * 1e6 if alone else float('nan'):.0f} "
                       f"us | {anatomy_alone(n) * 1e6:.0f} us |", flush=True)  # fmt: skip
+            ring_reads(args.ring, tmp)
         finally:
             dist.destroy_process_group()
+
+
+def ring_reads(fills: list[int], tmp: str) -> None:
+    """One read of PyTorch's ring at each fill (entries it holds), median of 5, and what pacing makes of it."""
+    print(f"\nreading PyTorch's record of the collectives (a ring of {os.environ.get('TORCH_FR_BUFFER_SIZE', 2000)} "
+          f"entries; reads paced at {BUDGET:.0%} of the wall clock, then every {ALIGNED_S:.0f} s once one exceeds "
+          f"{MAX_READ_S * 1e3:.0f} ms)")  # fmt: skip
+    print("| entries in the ring | one read (interpreter lock held) | per entry | share of the wall clock, paced |")
+    print("|---|---|---|---|")
+    t = torch.ones(4)
+    done = 0
+    for n in fills:
+        for _ in range(max(0, n - done)):
+            dist.all_reduce(t)
+        done = max(done, n)
+        times = []
+        for _ in range(5):
+            log = CollectiveLog(Path(tmp) / "collectives.jsonl", threading.get_ident, budget=1.0)
+            t0 = time.perf_counter()
+            log.read()
+            times.append(time.perf_counter() - t0)
+        read = statistics.median(times)
+        share = BUDGET if read <= MAX_READ_S else read / ALIGNED_S
+        print(f"| {min(n, log.rows)} | {read * 1e3:.1f} ms | {read / max(1, log.rows) * 1e6:.1f} us | "
+              f"{share:.3%} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

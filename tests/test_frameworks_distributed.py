@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT, check_anatomy, torchrun
 
 import stragglerwatch
+from stragglerwatch.analysis.live import LiveRun
 from stragglerwatch.cli.commands import main as cli
 from stragglerwatch.presentation.render import verdict_lines
 
@@ -165,6 +166,9 @@ def test_compiled_tensor_parallel_partner_is_cleared_by_arrival_order(tmp_path: 
     assert [c["rank"] for c in r["arrivals"]["cleared"]] == [2], r["arrivals"]
     assert any("compiled code" in note for note in r["arrivals"]["coverage"]), "what no bracket sees is said"
     assert "not a straggler: rank 2" in "\n".join(verdict_lines(r))
+    live = LiveRun(run)
+    live.update()
+    assert [s["rank"] for s in live.analysis.report["stragglers"]] == [3], "the live path (dashboard, policy) agrees"
 
 
 def test_pipeline_gpipe_flags_only_the_slow_stage_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

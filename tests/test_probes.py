@@ -256,3 +256,36 @@ def test_an_issue_is_a_bracket_only_when_it_returns_no_work() -> None:
     _issue_wrapper(finished, [probe])(None)
     assert len(cur.comm) == 2 and all(b >= a for a, b in cur.comm)
     assert probe.where[1] == "forward", "the phase the thread was in is restored"
+
+
+def test_a_process_group_wrapped_after_attach_brings_the_call_brackets(one_rank_group, tmp_path: Path) -> None:
+    """Another tool wraps ``ProcessGroup.allreduce`` after attach and waits through the untapped
+    ``Work.wait`` itself: from the next step end on, ``torch.distributed``'s functions are bracketed."""
+    group = dist.ProcessGroup
+    raw_wait = dist.Work.__dict__["wait"]
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = stragglerwatch.attach(model, tmp_path / "run", watchdog_timeout_s=0, optimizer=opt)
+    ours = group.__dict__["allreduce"]
+
+    def theirs(self, *args, **kwargs):  # finishes the collective itself, as NCCL's C++ does, and returns None
+        work = ours(self, *args, **kwargs)
+        raw_wait(work)
+        return None
+
+    group.allreduce = theirs
+    try:
+        assert not hasattr(dist.all_reduce, "__stragglerwatch_listeners__")
+        for _ in range(3):
+            model(torch.ones(2, 4)).sum().backward()
+            dist.all_reduce(torch.ones(4))
+            opt.step()
+            opt.zero_grad()
+        assert hasattr(dist.all_reduce, "__stragglerwatch_listeners__"), "bracketed where the loop calls it"
+        assert watch.stats()["problems"].get("coverage") == 1, "said once"
+    finally:
+        group.allreduce = ours
+        watch.close()
+    assert not hasattr(dist.all_reduce, "__stragglerwatch_listeners__"), "removed at close"
+    df = stragglerwatch.load_run(tmp_path / "run")
+    assert (df[df["step"] >= 1]["collective_wait_s"] > 0).all(), "the collective is counted again"

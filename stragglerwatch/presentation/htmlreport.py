@@ -112,6 +112,11 @@ def render_html(analysis: Analysis) -> str:
     if report["group_imbalance"]:
         parts.append("<h2>Group imbalance</h2>")
         parts.append(_table(report["group_imbalance"], [("group", "group"), ("slowdown", "busy vs other groups")]))
+    arrived = (report.get("arrivals") or {}).get("ranks") or []
+    if arrived:
+        parts.append("<h2>Arrival order at the collectives</h2>")
+        parts.append(_table(arrived, [("rank", "rank"), ("collectives_per_step", "compared a step"),
+                                      ("last_share", "entered last"), ("wait_ms", "waited for later arrivals (ms)")]))
     if imbalance:
         parts += imbalance_html(imbalance)
     figs = [figures.heatmap(mat, verdict), figures.breakdown(mat, verdict, report["ranks"])]

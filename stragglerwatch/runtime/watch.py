@@ -54,7 +54,7 @@ from stragglerwatch.runtime.capture.shadows import (
     time_forward,
     time_fsdp_waits,
 )
-from stragglerwatch.runtime.capture.taps import tap_collectives, tap_scaler
+from stragglerwatch.runtime.capture.taps import CallFallback, tap_collectives, tap_scaler
 from stragglerwatch.runtime.capture.timing import resolve_cuda
 from stragglerwatch.runtime.capture.work import DeviceCounts
 from stragglerwatch.runtime.config import CODE_HZ, Config
@@ -651,7 +651,16 @@ def _hook(watch: Watch, parts: ModelInfo, cfg: Config, probe: StepProbe, on_gpu:
         handles += time_fsdp_waits(parts, probe)
     handles.append(register_optimizer_step_pre_hook(probe.on_optimizer_pre))
     handles.append(register_optimizer_step_post_hook(probe.on_optimizer_post))
-    handles += [tap_collectives(probe), tap_scaler(probe)]  # waited-on collectives; skipped steps
+    taps = tap_collectives(probe)  # where the thread blocks for a collective
+    if taps is not None:
+        def overlaid(names: list[str]) -> None:
+            watch.problems.report("coverage", f"the process group's {', '.join(names)} were wrapped after attach: "
+                                  "collectives are now also bracketed where torch.distributed calls them")  # fmt: skip
+
+        fallback = CallFallback(taps, probe, overlaid)
+        probe.step_hooks.append(fallback)
+        handles += [taps, fallback]
+    handles.append(tap_scaler(probe))  # steps GradScaler skipped
     handles[:] = [h for h in handles if h is not None]
     if _bucket_timings(parts, cfg):
         ddp = parts.ddp

@@ -51,20 +51,27 @@ class Injection:
         return self.delay if self.batches[cause] > self.from_batch else 0.0
 
 
-class Net(nn.Module):
-    """A small MLP with BatchNorm (buffers DDP broadcasts at every forward)."""
+class Injected(nn.Module):
+    """A model with the compute injection: ``slow(h)`` sleeps in forward and backward when due."""
 
     def __init__(self, injection: Injection):
         super().__init__()
         self.injection = injection
-        self.inp = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.ReLU())
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.ReLU()) for _ in range(2))
-        self.out = nn.Linear(HIDDEN, 1)
 
     @torch.compiler.disable  # the injection is not the model: never compiled
     def slow(self, h: torch.Tensor) -> torch.Tensor:
         delay = self.injection("compute")
         return Slow.apply(h, delay) if delay else h
+
+
+class Net(Injected):
+    """A small MLP with BatchNorm (buffers DDP broadcasts at every forward)."""
+
+    def __init__(self, injection: Injection):
+        super().__init__(injection)
+        self.inp = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.ReLU())
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.ReLU()) for _ in range(2))
+        self.out = nn.Linear(HIDDEN, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -250,22 +257,16 @@ def run_compile(args: argparse.Namespace, injection: Injection) -> None:
         optimizer.zero_grad()
 
 
-class TPNet(nn.Module):
+class TPNet(Injected):
     """An MLP whose ``up`` (column-wise) and ``down`` (row-wise) layers are tensor parallel: the compute
     injection sleeps between them, inside the TP block, so the TP partner waits in the row-wise all-reduce."""
 
     def __init__(self, injection: Injection):
-        super().__init__()
-        self.injection = injection
+        super().__init__(injection)
         self.inp = nn.Linear(FEATURES, HIDDEN)
         self.up = nn.Linear(HIDDEN, 4 * HIDDEN)
         self.down = nn.Linear(4 * HIDDEN, HIDDEN)
         self.out = nn.Linear(HIDDEN, 1)
-
-    @torch.compiler.disable  # the injection is not the model: never compiled
-    def slow(self, h: torch.Tensor) -> torch.Tensor:
-        delay = self.injection("compute")
-        return Slow.apply(h, delay) if delay else h
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.up(torch.relu(self.inp(x))))
@@ -297,19 +298,16 @@ def run_tp(args: argparse.Namespace, injection: Injection) -> None:
         optimizer.zero_grad()
 
 
-class Stage(nn.Module):
+class Stage(Injected):
     """One pipeline stage: two layers, the compute injection between them."""
 
     def __init__(self, injection: Injection, first: bool, last: bool):
-        super().__init__()
-        self.injection = injection
+        super().__init__(injection)
         self.a = nn.Linear(FEATURES if first else HIDDEN, HIDDEN)
         self.b = nn.Linear(HIDDEN, 1 if last else HIDDEN)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.a(x))
-        delay = self.injection("compute")
-        return self.b(Slow.apply(h, delay) if delay else h)
+        return self.b(self.slow(torch.relu(self.a(x))))
 
 
 def run_pipeline(args: argparse.Namespace, injection: Injection) -> None:

@@ -202,6 +202,7 @@ class StepProbe:
         self.work_notes: dict[str, str] = {}  # how the work count falls short, and why (said once each)
         self._counts = device_counts  # CUDA: counts of device masks, copied without a sync
         self._noted: list[tuple[float, str]] = []  # noted before the first step began
+        self.step_hooks: list[Callable[[int], None]] = []  # called at each step end (a few look-ups at most)
         self.enabled = True
         self.recording = True  # wanted (runtime control); applied by the training thread at a step end
         self._paused = False  # recording is off: hooks idle, step ends only counted
@@ -745,6 +746,11 @@ class StepProbe:
                     "a multi-rank job whose model is not DistributedDataParallel, and no collective was "
                     "seen in 10 steps: its communication is not visible to stragglerwatch",
                 )
+        for hook in self.step_hooks:
+            try:
+                hook(m.step)
+            except Exception as exc:
+                self._hook_failed("step_hooks", exc)
         self._sink(m)
 
 

@@ -18,6 +18,9 @@ Design: one bracket per collective, at the one Python point where the training t
   keeps it (the launch on the current stream, or a host that finished the collective inside the
   call). On the host the bracket is a clock read before the call, made into an interval only when
   kept; on CUDA the event before the launch must be recorded first, so it is a full bracket.
+- **Where the loop calls it**, only when another tool wrapped the process group's methods after us
+  (:class:`CallFallback` checks at step ends): the ``torch.distributed`` functions (:data:`CALL_FUNCTIONS`),
+  so that a wait that tool makes above our issue bracket is inside one of ours.
 - ``GradScaler.step``: a step GradScaler skips (inf/NaN gradients) never calls
   ``optimizer.step()``, so the optimizer hooks cannot see that an iteration ended.
 
@@ -167,6 +170,36 @@ def _issue_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callab
     return issue
 
 
+#: ``torch.distributed`` functions (module attributes, looked up at call time by user code, SyncBatchNorm
+#: and most wrappers), bracketed as a whole only as a fallback: when another tool wrapped the process
+#: group's methods after us (:meth:`TapSet.overlaid`), what it does above our issue bracket (a wait of its
+#: own, through an untapped ``Work.wait``) is inside this one.
+CALL_FUNCTIONS = (
+    "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+    "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+    "barrier", "monitored_barrier", "gather", "scatter", "all_gather_object", "broadcast_object_list",
+    "gather_object", "scatter_object_list", "send", "recv", "send_object_list", "recv_object_list",
+)  # fmt: skip
+
+
+def _call_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
+    """A ``torch.distributed`` function: bracketed unless asynchronous or traced by torch.compile."""
+    wait = _wait_wrapper(original, listeners)
+    try:
+        from torch.compiler import is_compiling  # torch >= 2.3
+    except ImportError:  # pragma: no cover
+
+        def is_compiling() -> bool:
+            return False
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("async_op") is True or is_compiling():
+            return original(*args, **kwargs)
+        return wait(*args, **kwargs)
+
+    return call
+
+
 def _issue_begin(listener: Any) -> Any:
     try:
         return listener.issue_begin()
@@ -264,6 +297,45 @@ class TapSet:
     def remove(self) -> None:
         for tap in self.taps:
             tap.remove()
+
+    def overlaid(self) -> list[str]:
+        """The process-group methods another tool wrapped after us (ours is no longer the class's)."""
+        group = process_group_class()
+        out = []
+        for tap in self.taps:
+            if tap._owner is group and tap._listeners is not None:
+                current = group.__dict__.get(tap._name)
+                if getattr(current, _LISTENERS, None) is not tap._listeners:
+                    out.append(tap._name)
+        return out
+
+
+class CallFallback:
+    """Watches for another tool wrapping the process group after us, and then brackets the
+    ``torch.distributed`` functions too (:data:`CALL_FUNCTIONS`): checked at step ends (every one of the
+    first 100, then every 100th), a few dictionary look-ups each. ``on_install`` is told which methods
+    were wrapped, once."""
+
+    def __init__(self, taps: TapSet, listener: CommListener, on_install: Callable[[list[str]], None]):
+        self._taps, self._listener, self._on_install = taps, listener, on_install
+        self.installed: TapSet | None = None
+
+    def __call__(self, step: int) -> None:
+        if self.installed is not None or (step >= 100 and step % 100):
+            return
+        names = self._taps.overlaid()
+        if not names:
+            return
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        self.installed = TapSet([Tap(module, name, _call_wrapper, self._listener) for module in (dist, distributed_c10d)
+                                 for name in CALL_FUNCTIONS if callable(module.__dict__.get(name))])  # fmt: skip
+        self._on_install(names)
+
+    def remove(self) -> None:
+        if self.installed is not None:
+            self.installed.remove()
 
 
 def functional_module() -> Any:
