@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stragglerwatch.analysis.arrivals import arrivals, summary, unseen_wait, victims, without_unseen
+from stragglerwatch.analysis.arrivals import above_group, arrivals, summary, unseen_wait, victims, without_unseen
 from stragglerwatch.analysis.detect import StepMatrix, Straggler
 from stragglerwatch.record.collectives import load_collectives
 from stragglerwatch.runtime.capture.collectives import CollectiveLog
@@ -188,3 +188,14 @@ def test_the_real_record_of_a_gloo_group(one_rank_group, tmp_path: Path) -> None
     found = load_collectives(tmp_path)
     assert found.rows["training"].iloc[-2:].all(), "issued on this thread"
     assert (found.rows["seq"].diff().iloc[-1:] == 1).all(), "consecutive in their group"
+
+
+def test_what_a_whole_group_waits_alike_moves_no_busy_time() -> None:
+    """Overlapped asynchronous collectives count as unseen waits on every rank of a group alike; only a
+    rank's wait above its group's least is its own."""
+    unseen = np.array([[0.005, 0.005, 0.025, 0.000], [0.004, 0.006, 0.030, np.nan]])
+    roles = {0: "tp=0", 1: "tp=1", 2: "tp=0", 3: "tp=1"}
+    out = above_group(unseen, np.arange(4), roles)
+    assert np.allclose(out[:, 0], 0.0) and np.allclose(out[:, 2], [0.020, 0.026]), "above rank 0's"
+    assert np.allclose(out[:, 1], [0.005, 0.0]) and np.allclose(out[:, 3], 0.0), "a step rank 3 shared nothing"
+    assert np.allclose(above_group(unseen[:, :1], np.arange(1), {}), unseen[:, :1]), "alone in its group: all its own"

@@ -127,6 +127,22 @@ def unseen_wait(arr: Arrivals, seen: np.ndarray) -> np.ndarray:
         return np.clip(arr.wait - np.nan_to_num(seen), 0.0, None)
 
 
+def above_group(unseen: np.ndarray, ranks: np.ndarray, roles: dict[int, Any]) -> np.ndarray:
+    """Per step, each rank's unseen wait above the least of its peer group's (same role): what every rank
+    of a group shows alike (asynchronous collectives overlapped with compute, counted as waits by the
+    union of their windows) is taken as no wait, so that only a rank's own extra wait moves its busy time."""
+    out = np.zeros_like(unseen)
+    keys = [roles.get(int(r)) for r in ranks.tolist()]
+    for key in set(keys):
+        cols = [i for i, k in enumerate(keys) if k == key]
+        block = unseen[:, cols]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # steps no rank of the group shared a collective
+            least = np.nanmin(block, axis=1, keepdims=True) if len(cols) > 1 else np.zeros((len(block), 1))
+        out[:, cols] = np.nan_to_num(block - np.nan_to_num(least))
+    return out
+
+
 def without_unseen(mat: Any, unseen: np.ndarray) -> Any:
     """A copy of ``mat`` (``detect.StepMatrix``, same axes as ``unseen``) whose busy time no longer holds
     the unseen waits: they move to ``collective_wait_s`` and ``comm_wait_s``. The phase they sat in is not

@@ -26,7 +26,7 @@ import pandas as pd
 
 from stragglerwatch.analysis import runmatrix
 from stragglerwatch.analysis.advice import advise
-from stragglerwatch.analysis.arrivals import arrivals, summary, unseen_wait, victims, without_unseen
+from stragglerwatch.analysis.arrivals import above_group, arrivals, summary, unseen_wait, victims, without_unseen
 from stragglerwatch.analysis.codeprofile import locate, needed_ranks
 from stragglerwatch.analysis.detect import MATRIX_COLUMNS, StepMatrix, Verdict, detect, matrix_from_columns
 from stragglerwatch.analysis.explain import StepTimes, explain, prepare, span, span_values
@@ -290,7 +290,7 @@ def arrival_check(found: Collectives | None, verdict: Verdict, times: StepTimes,
     reasons = victims(verdict.stragglers, arr, roles, seen)
     adjusted = None
     if notes and mat is not None:  # waits no bracket saw: taken out of busy time, every rank, every step
-        adjusted = without_unseen(mat, unseen_wait(arr, seen))
+        adjusted = without_unseen(mat, above_group(unseen_wait(arr, seen), verdict.ranks, roles))
         verdict = detect(adjusted, config, groups={r: g for r, g in roles.items() if g is not None} or None)
         flagged = {s.rank for s in verdict.stragglers}
         cleared = {r: why for r, why in reasons.items() if r not in flagged}

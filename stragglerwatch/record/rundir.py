@@ -4,7 +4,8 @@ readers and atomic writers of the JSON files.
 Files of a run dir:
 - ``run.json``: written once by rank 0 (run id, world size, versions, config);
 - ``rank-NNNNN.json``: per rank (host, local rank, pid, device, timing clock, role,
-  ``busy_unavailable``: why this rank's busy time cannot be trusted, when it cannot, and ``loader``:
+  ``busy_unavailable``: why this rank's busy time cannot be trusted, when it cannot, ``coverage``: what
+  communication no bracket sees and how the analysis finds it, and ``loader``:
   the first DataLoader the loop wrapped, its ``num_workers``, ``pin_memory``, ``persistent_workers``
   and ``prefetch_factor``);
 - ``rank-NNNNN.arrows`` / ``.parquet``: the step log (``steplog.py``);
