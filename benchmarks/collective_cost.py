@@ -105,6 +105,34 @@ def worker(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(row), flush=True)
 
 
+def brackets_alone() -> None:
+    """The brackets around a no-op instead of a collective, in this process (``timeit``, best of 5)."""
+    import functools
+    import timeit
+
+    from torch import nn
+
+    from stragglerwatch.runtime.capture.probes import StepProbe
+    from stragglerwatch.runtime.capture.taps import _issue_wrapper, _wait_wrapper
+
+    probe = StepProbe(lambda marks: None)
+    probe.on_forward_pre(nn.Linear(1, 1), (torch.ones(1, 1),), {})  # a step is open
+
+    def work(*args: object) -> object:
+        return object()
+
+    def none(*args: object) -> None:
+        return None
+
+    n = 200_000
+    for name, call in (("no-op alone", work), ("wait bracket", _wait_wrapper(work, [probe])),
+                       ("issue returning a Work (clock read)", _issue_wrapper(work, [probe])),
+                       ("issue returning None (bracket kept)", _issue_wrapper(none, [probe]))):  # fmt: skip
+        best = min(timeit.repeat(functools.partial(call, None), number=n, repeat=5)) / n
+        probe._cur.comm.clear()  # type: ignore[union-attr]
+        print(f"  {name:38s} {best * 1e6:5.2f} us a call")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=6, help="runs of each variant (default 6)")
@@ -114,7 +142,11 @@ def main() -> None:
     p.add_argument("--per-step", type=int, nargs="*", default=[10, 100, 400],
                    help="collectives per training step, one kind each (default 10 100 400)")
     p.add_argument("--steps", type=int, default=100, help="training steps per block (default 100)")
+    p.add_argument("--brackets", action="store_true", help="time only the brackets around a no-op, in this process")
     args = p.parse_args()
+    if args.brackets:
+        brackets_alone()
+        return
     if args.worker:
         worker(args)
         return
