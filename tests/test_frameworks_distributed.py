@@ -153,7 +153,9 @@ def test_tensor_parallel_mesh_flags_only_the_slow_rank(tmp_path: Path, capsys: p
     assert partner["collective_wait_s"].median() > DELAY / 3, "the TP partner's wait is counted as communication"
     assert r["arrivals"]["cleared"] == [], "eager TP needs no clearing: every wait was bracketed"
     last = {x["rank"]: x["last_share"] for x in r["arrivals"]["ranks"]}
-    assert last[3] == max(last.values()), f"the slow rank enters its collectives last most often: {last}"
+    # against its TP partner, the rank it holds up (not against every rank: rank 1, held up by rank 3 in
+    # their data-parallel collectives, then enters its own TP group's collectives late as often)
+    assert last[3] > last[2] + 0.1, f"the slow rank enters its collectives last more often than its partner: {last}"
 
 
 def test_compiled_tensor_parallel_partner_is_cleared_by_arrival_order(tmp_path: Path,

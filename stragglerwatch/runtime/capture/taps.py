@@ -13,8 +13,9 @@ Design: one bracket per collective, at the one Python point where the training t
 - **Where a collective is issued without a** ``Work``: since torch 2.8 (pytorch PR #148590) a
   synchronous collective on NCCL runs on the *current* stream and the process group returns no
   ``Work``, so ``distributed_c10d`` never calls ``Work.wait`` for it. The ``ProcessGroup`` methods
-  (:data:`ISSUE_METHODS`) are bracketed for that case only: a call that returns a ``Work`` (gloo,
-  every asynchronous launch) drops its bracket (the wait will be bracketed), one that returns None
+  (:data:`ISSUE_METHODS`) are bracketed for that case only: an asynchronous launch (``opts.asyncOp``)
+  is passed straight through, a call that returns a ``Work`` (gloo's synchronous ones) drops its
+  bracket (the wait will be bracketed), one that returns None
   keeps it (the launch on the current stream, or a host that finished the collective inside the
   call). On the host the bracket is a clock read before the call, made into an interval only when
   kept; on CUDA the event before the launch must be recorded first, so it is a full bracket.
@@ -142,7 +143,7 @@ def _issue_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callab
     and a full ``comm_begin`` where marks are device events that must precede the launch."""
 
     def issue(*args: Any, **kwargs: Any) -> Any:
-        if not listeners:
+        if not listeners or _asynchronous(args, kwargs):  # a launch only: no CUDA event spent on it
             return original(*args, **kwargs)
         if len(listeners) == 1:
             listener = listeners[0]
@@ -161,13 +162,17 @@ def _issue_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callab
         result = original(*args, **kwargs)
         for listener, token in zip(listeners, tokens, strict=False):
             if token is not None:
-                try:
-                    listener.issue_end(token, result is None)
-                except Exception:
-                    pass
+                _issue_end(listener, token, result is None)
         return result
 
     return issue
+
+
+def _asynchronous(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """The process-group call was asked for an ``async_op=True`` collective (torch >= 2.8 passes
+    ``opts.asyncOp``): it returns a ``Work`` whose wait is bracketed, so its issue is not."""
+    opts = kwargs.get("opts", args[-1] if len(args) > 1 else None)
+    return getattr(opts, "asyncOp", False) is True
 
 
 #: ``torch.distributed`` functions (module attributes, looked up at call time by user code, SyncBatchNorm
@@ -205,6 +210,13 @@ def _issue_begin(listener: Any) -> Any:
         return listener.issue_begin()
     except Exception:
         return None
+
+
+def _issue_end(listener: Any, token: Any, kept: bool) -> None:
+    try:
+        listener.issue_end(token, kept)
+    except Exception:
+        pass
 
 
 def _scaler_wrapper(original: Callable[..., Any], listeners: list[Any]) -> Callable[..., Any]:
