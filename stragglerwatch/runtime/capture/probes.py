@@ -39,9 +39,11 @@ Boundaries:
   that GradScaler skipped counts as a step of zero optimizer time. Under
   ``no_sync()`` accumulation several forwards/backwards belong to one step.
 
-On CUDA each mark is an event on the current stream (``devices.CudaMarks``); the latest
-ones are also kept with the phase the stream runs from there (``device_trail``), so that at a
-stall the watchdog can tell where the GPU is, not only where the host is.
+On CUDA each mark is an event on the current stream of the device the model computes on
+(``devices.CudaMarks``, pinned to that device by ``placement.PinnedMarks``: not the current device's
+stream when the two differ, nor that of whichever thread records); the latest ones are also kept
+with the phase the stream runs from there (``device_trail``), so that at a stall the watchdog can
+tell where the GPU is, not only where the host is.
 
 When a part of the signal cannot be seen (no output needing a gradient, no
 backward from the outputs, compiled autograd, a multi-rank job with no
@@ -71,6 +73,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
+from stragglerwatch.runtime.capture.placement import PinnedMarks, cuda_index
 from stragglerwatch.runtime.capture.timing import StepMarks
 from stragglerwatch.runtime.capture.work import DeviceCounts, Work, forward_work
 from stragglerwatch.runtime.log import Problems
@@ -170,7 +173,8 @@ class StepProbe:
         self._sink = sink
         self._syncing = syncing  # DDP: does this backward all-reduce (not under no_sync())?
         self._now = time.perf_counter
-        self._mark = mark or self._now
+        self._pin = PinnedMarks(mark) if mark is not None else None  # CUDA: marks on the model's device
+        self._mark: Callable[[], Any] = self._pin if self._pin is not None else self._now
         self._host = mark is None
         self._data_from_gap = True
         self._cur: StepMarks | None = None
@@ -180,7 +184,7 @@ class StepProbe:
         self._eval_open = False  # consecutive evaluation forwards extend one eval interval
         self._in_backward = False
         self._tid = threading.get_ident()  # the training thread (that of the latest training forward)
-        self._stream: Any = None  # CUDA: the stream of the latest training forward (the compute stream)
+        self._stream: Any = None  # CUDA: the compute stream (the pinned device's) of the latest training forward
         self.forward_nesting = 0  # timed forwards running now (shadows.py): only the outermost is timed
         self._fwd_seen = False
         self._comm_depth = 0
@@ -372,8 +376,9 @@ class StepProbe:
         self.where = (self._next_step, "forward", now)
         self._tid = threading.get_ident()
         self._fwd_seen = True
-        if not self._host:
-            self._stream = torch.cuda.current_stream()
+        if self._pin is not None:
+            self._pin.learn_parameters(module)
+            self._stream = self._pin.stream()
         m = self._cur or self._begin(now)
         if len(m.fwd_start) >= MAX_MICRO_BATCHES:
             m = self._close_unended(now)
@@ -400,13 +405,15 @@ class StepProbe:
         if not self._fwd_open:
             return
         self._fwd_open = False
+        tensors = _grad_tensors(output)
+        if self._pin is not None:  # where backward starts: the end mark goes there already
+            self._pin.learn(cuda_index(tensors))
         self._cur.fwd_end.append(self._at(now, "other"))  # type: ignore[union-attr]
         if _compiled_autograd_active():
             self.note_unavailable(
                 "compiled_autograd", "compiled autograd runs the backward: the gradient all-reduce wait is not seen"
             )
             return
-        tensors = _grad_tensors(output)
         for t in tensors:
             t.register_hook(self._on_output_grad)
         if not tensors and self._syncing is not None:
@@ -425,6 +432,8 @@ class StepProbe:
         self._in_backward = True
         self._eval_open = False
         self.where = (self._next_step, "backward", self._now())
+        if self._pin is not None:  # on autograd's thread of the device backward runs on
+            self._pin.learn_gradient(grad)
         m.bwd_start.append(self._dmark("backward"))
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
@@ -459,7 +468,7 @@ class StepProbe:
                 return None
             if get_ident() != self._tid and _graph_task_id() < 0:
                 return None  # another thread's collective (not inside our backward): not this step's
-            if self._stream is not None and torch.cuda.current_stream() != self._stream:
+            if self._stream is not None and self._pin is not None and self._pin.stream() != self._stream:
                 return None  # waited for on a side stream (FSDP2's all-gather stream): not the compute stream's wait
             self._comm_depth += 1
             if self._comm_depth > 1:
@@ -498,7 +507,7 @@ class StepProbe:
         try:
             if self._host:
                 if kept and self._cur is not None and self.enabled and self._comm_depth == 0 \
-                        and (get_ident() == self._tid or _graph_task_id() >= 0):
+                        and (get_ident() == self._tid or _graph_task_id() >= 0):  # fmt: skip
                     self._cur.comm.append((token, self._now()))
                 return
             if kept:

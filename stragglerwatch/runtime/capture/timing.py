@@ -6,7 +6,11 @@ or a recorded ``torch.cuda.Event`` on the GPU path. Nothing is computed on the
 training thread. The event-log thread later resolves device marks lazily
 (:func:`resolve_cuda` returns ``None`` until every event has completed: it
 uses ``Event.query()``, never a synchronisation) and calls :func:`anatomy`,
-which is the single definition of the step anatomy in DESIGN.md.
+which is the single definition of the step anatomy in DESIGN.md. Events are timed only
+against events of their own device: a step whose marks straddle two devices (marks made
+before the probe learned where the model computes: ``placement.py``) cannot be resolved,
+and :func:`resolve_cuda` raises :class:`UnresolvableStep` for it; the log drops and counts
+such a step, and any other whose resolution raises, and goes on with the next.
 
 The marks are intervals, and they nest: a collective sits inside forward (DDP's
 buffer broadcast, SyncBatchNorm) or backward, a closure's forward and backward
@@ -28,8 +32,8 @@ evaluation: a fetch between forward and backward is data wait, not other. Per-bu
 
 The work of the step rides along: one ``(count, unit, elements)`` per training forward (``work``; the
 count of a CUDA mask is a :class:`~stragglerwatch.runtime.capture.work.PendingCount` until :func:`resolve_cuda`
-reads it: its copy was queued before the forward's end mark, so it has landed once the step's events
-completed) and what the loop noted (``noted``, ``Watch.note_work``), which replaces the forwards'
+reads it, once the event recorded after its copy, on the stream of the mask's device, has completed
+too) and what the loop noted (``noted``, ``Watch.note_work``), which replaces the forwards'
 count (:func:`step_work`) but not their elements, always those of the inputs' shapes
 (:func:`step_elements`).
 """
@@ -252,6 +256,10 @@ def anatomy(
 DROPPED = object()
 
 
+class UnresolvableStep(Exception):
+    """A step whose marks can never be resolved (events of two devices): drop it, count it."""
+
+
 class CapturedMark:
     """Stands in for a CUDA event that was not recorded: the stream was capturing a CUDA graph,
     where an event would be part of the graph and never complete (``devices.py``)."""
@@ -270,19 +278,36 @@ def _ready(events: list[Any], deadline: float | None) -> bool:
         time.sleep(0.001)
 
 
+def _devices(events: list[Any]) -> set[Any]:
+    """The devices ``events`` were recorded on (``torch.cuda.Event.device``; None: not known)."""
+    return {getattr(ev, "device", None) for ev in events} - {None}
+
+
+def _landed(m: StepMarks) -> list[Any]:
+    """The events after the copies of the step's device counts (``work.PendingCount.landed``)."""
+    return [ev for n, _, _ in m.work if (ev := getattr(n, "landed", None)) is not None]
+
+
 def resolve_cuda(m: StepMarks, deadline: float | None = None) -> Any:
     """Float marks (seconds after the step's start event) once every event completed.
 
-    Returns ``None`` while any event is still pending (with a ``deadline``, used only at close,
-    off the hot path, it polls until then), and :data:`DROPPED` for a step with a mark made
-    inside a CUDA graph capture. Data waits are device marks too: the device's time between the
-    fetch's start and end marks is what it idled for the fetch (nothing, when queued work kept it
-    busy while the host fetched).
+    Returns ``None`` while any event (or the copy of a device count) is still pending (with a
+    ``deadline``, used only at close, off the hot path, it polls until then), and :data:`DROPPED`
+    for a step with a mark made inside a CUDA graph capture; raises :class:`UnresolvableStep` for a
+    step whose events are on more than one device (``elapsed_time`` would raise for it, now and
+    forever). Data waits are device marks too: the device's time between the fetch's start and end
+    marks is what it idled for the fetch (nothing, when queued work kept it busy while the host
+    fetched).
     """
     events = m.events()
     if any(isinstance(ev, CapturedMark) for ev in events):
         return DROPPED
-    if not _ready(events, deadline):
+    devices = _devices(events)
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise UnresolvableStep(f"its marks are on {names}: events of different devices cannot be timed "
+                               "against each other")  # fmt: skip
+    if not _ready(events + _landed(m), deadline):
         return None
     base = m.start
 
@@ -302,6 +327,6 @@ def resolve_cuda(m: StepMarks, deadline: float | None = None) -> Any:
     r.sync, r.comm, r.evals, r.opt = pairs(m.sync), pairs(m.comm), pairs(m.evals), pairs(m.opt)
     r.end = sec(m.end)
     r.data = pairs(m.data)
-    r.work = [(_count(n), unit, e) for n, unit, e in m.work]  # the copies ran before the step's events completed
+    r.work = [(_count(n), unit, e) for n, unit, e in m.work]  # their copies have landed (_landed)
     r.noted = list(m.noted)
     return r

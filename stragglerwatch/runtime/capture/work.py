@@ -20,9 +20,11 @@ compute follows the padded shape, not the mask's ones, so the analysis is given 
 Counting elements reads host metadata (``numel``). Counting a mask's ones on the CPU is a small
 reduction; on CUDA it must not sync the GPU: :class:`DeviceCounts` counts on the device and copies
 the count, non-blocking, into a slot of a small pinned ring, which the log thread reads once the
-step's CUDA events completed (``timing.resolve_cuda`` waits for them; the copy was queued on the
-same stream before the forward's end mark). A slot overwritten before it was read reads NaN.
-Whatever fails falls back to the elements of the tensor (``note`` says so once).
+copy has landed. The copy runs on the current stream of the *mask's* device, which need not be the
+stream of the step's marks (a mask on device N while the thread's current device is 0): an event
+recorded right after the copy, on that stream (:attr:`PendingCount.landed`), is what the read waits
+for (``timing.resolve_cuda`` waits for it with the step's events). A slot overwritten before it was
+read reads NaN. Whatever fails falls back to the elements of the tensor (``note`` says so once).
 """
 
 from __future__ import annotations
@@ -46,10 +48,11 @@ INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, t
 class PendingCount:
     """A count on its way from the device into a slot of a :class:`DeviceCounts` ring."""
 
-    __slots__ = ("_ring", "_slot", "_gen")
+    __slots__ = ("_ring", "_slot", "_gen", "landed")
 
-    def __init__(self, ring: DeviceCounts, slot: int, gen: int):
+    def __init__(self, ring: DeviceCounts, slot: int, gen: int, landed: Any = None):
         self._ring, self._slot, self._gen = ring, slot, gen
+        self.landed = landed  # an event after the copy on its stream (None: the copy was synchronous)
 
     def read(self) -> float:
         """The count (call once the copy completed); NaN when its slot was reused since."""
@@ -70,8 +73,8 @@ class DeviceCounts:
         self._next = 0
 
     def count(self, t: torch.Tensor) -> PendingCount:
-        """Queue the count of ``t``'s nonzeros on the current stream; raises inside a CUDA graph
-        capture (where the copy would be part of the graph)."""
+        """Queue the count of ``t``'s nonzeros on the current stream of ``t``'s device, and an event
+        after it; raises inside a CUDA graph capture (where the copy would be part of the graph)."""
         if self._gate is not None and self._gate.open and _capturing():
             raise RuntimeError("a CUDA graph capture is open")
         if not self._views:
@@ -82,7 +85,16 @@ class DeviceCounts:
         self._next += 1
         self._gen[i] += 1
         self._views[i].copy_(torch.count_nonzero(t), non_blocking=True)
-        return PendingCount(self, i, self._gen[i])
+        return PendingCount(self, i, self._gen[i], self._landed(t))
+
+    def _landed(self, t: torch.Tensor) -> Any:
+        """An event recorded after the copy of ``t``'s count, on the stream that runs it: the current
+        stream of ``t``'s device (the current device's for a tensor not on CUDA). None without CUDA."""
+        if not (t.is_cuda or torch.cuda.is_available()):
+            return None
+        event = (self._gate.event_class() if self._gate is not None else torch.cuda.Event)()
+        event.record(torch.cuda.current_stream(t.device if t.is_cuda else None))
+        return event
 
     def read(self, slot: int, gen: int) -> float:
         if self._gen[slot] != gen:

@@ -11,6 +11,12 @@ into ``rank-NNNNN.parquet`` (``stragglerwatch.record.steplog.compact_stream``).
 Our failures never reach training: an error writing (disk full, read-only filesystem) becomes one
 line in the ``stragglerwatch`` logger (rate-limited) and a counter; the log keeps going, in a new
 segment.
+
+No step stops the log either. Steps are resolved oldest first, and a step whose resolution raises
+(its events cannot be timed: ``elapsed_time`` failing, events of two devices,
+``timing.UnresolvableStep``) is dropped and counted (``unresolvable_dropped_steps``, one rate-limited
+line), never left at the head of the queue where it would fail every later flush the same way; the
+bound on the steps waiting for their events (``MAX_PENDING``) is applied whatever a pass raised.
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ MAX_QUEUED = 8192
 
 #: Seconds close() waits for the compaction to Parquet of a complete stream beyond its bound.
 COMPACT_WAIT_S = 30.0
+
+
+#: What :meth:`EventLogWriter._take_head` returns for a head step still pending on the device.
+_WAIT = object()
 
 
 #: Seconds a step may stay unresolved while a later step's end has completed on the device
@@ -103,6 +113,7 @@ class EventLogWriter:
         self.dropped_steps = 0
         self.capture_dropped_steps = 0  # a mark made inside a CUDA graph capture: never resolvable
         self.stale_dropped_steps = 0  # events that never completed while later ones did
+        self.unresolvable_dropped_steps = 0  # resolving it raised (events of two devices, a broken event)
         self.unresolved: list[int] = []  # steps still pending on the device when close gave up on them
         self.close_timeout_s = close_timeout_s
         self._gate = gate or _always_open
@@ -200,11 +211,7 @@ class EventLogWriter:
         if not self._lock.acquire(timeout=lock_timeout_s):
             return
         try:
-            try:
-                records = self._take_resolved(deadline)
-            except Exception as exc:  # a broken event must not kill the thread
-                self._fail("resolve", f"could not resolve step timings: {exc}")
-                return
+            records = self._take_resolved(deadline)  # never raises: a step it cannot resolve is dropped
             if records:
                 self._write(records)
                 for observe in self.observers:
@@ -216,38 +223,71 @@ class EventLogWriter:
             self._lock.release()
 
     def _take_resolved(self, deadline: float | None) -> list[StepRecord]:
+        """The records of the resolved steps at the head of the queue, oldest first. What a pass
+        raises (the gate) ends the pass, not the records taken so far, nor the bound on the queue."""
         while self._queue:
             self._pending.append(self._queue.popleft())
         records: list[StepRecord] = []
-        with self._gate() as may_query:  # no event query while a CUDA graph capture is open
-            while may_query and self._pending:
-                head = self._pending[0]
-                resolved = self._resolve(head, deadline)
-                if resolved is None and not self._stale(head):
-                    break
-                self._pending.popleft()
-                if resolved is None or resolved is DROPPED:
-                    self.dropped_steps += 1
-                    if resolved is None:
-                        self.stale_dropped_steps += 1
-                    else:
-                        self.capture_dropped_steps += 1
-                    continue
-                records.append(anatomy(resolved, self.rank, self._wall_anchor, self._timing, *self._ids))
+        try:
+            with self._gate() as may_query:  # no event query while a CUDA graph capture is open
+                while may_query and self._pending:
+                    head = self._pending[0]
+                    outcome = self._take_head(head, deadline)
+                    if outcome is _WAIT:
+                        break
+                    self._pending.popleft()
+                    if outcome is not None:
+                        records.append(outcome)
+        except Exception as exc:
+            self._fail("resolve", f"could not resolve step timings: {type(exc).__name__}: {exc}")
+        finally:
+            self._trim()
+        return records
+
+    def _take_head(self, head: StepMarks, deadline: float | None) -> Any:
+        """The head step's record; ``_WAIT`` while its events are pending; None for a step dropped
+        (counted here): marked inside a capture, stale, or whose resolution raised."""
+        try:
+            resolved = self._resolve(head, deadline)
+            if resolved is None and not self._stale(head):
+                return _WAIT
+            if resolved is None or resolved is DROPPED:
+                self.dropped_steps += 1
+                if resolved is None:
+                    self.stale_dropped_steps += 1
+                else:
+                    self.capture_dropped_steps += 1
+                return None
+            return anatomy(resolved, self.rank, self._wall_anchor, self._timing, *self._ids)
+        except Exception as exc:
+            self.dropped_steps += 1
+            self.unresolvable_dropped_steps += 1
+            self._problems.report("log-unresolvable", f"step {head.step} not recorded: its timings cannot be "
+                                  f"resolved ({type(exc).__name__}: {exc}); the next steps are (training "
+                                  "continues; later ones are counted)")  # fmt: skip
+            return None
+
+    def _trim(self) -> None:
+        """Hold :data:`MAX_PENDING`: the oldest steps beyond it are dropped and counted."""
         while len(self._pending) > MAX_PENDING:
             self._pending.popleft()
             self.dropped_steps += 1
-        return records
 
     def _stale(self, head: StepMarks) -> bool:
         """The head step's events have not completed for ``STALE_S`` although the newest pending
-        step's end has: they never will (recorded into a capture we did not see)."""
+        step's end has: they never will (recorded into a capture we did not see). A tail whose end
+        cannot be queried is no evidence (the head is not dropped for the tail's fault)."""
         now = time.monotonic()
         if self._head_since is None or self._head_since[0] != id(head):
             self._head_since = (id(head), now)
             return False
         tail = self._pending[-1]
-        return tail is not head and now - self._head_since[1] >= STALE_S and _done(tail.end)
+        if tail is head or now - self._head_since[1] < STALE_S:
+            return False
+        try:
+            return _done(tail.end)
+        except Exception:
+            return False
 
     def _fail(self, kind: str, message: str) -> None:
         self.write_errors += 1
@@ -273,20 +313,41 @@ class EventLogWriter:
             except Exception:
                 pass
 
+    def _batch(self, records: list[StepRecord]) -> pa.RecordBatch:
+        """The batch of ``records``; a record that cannot be converted is dropped and counted alone,
+        not with the steps of its batch (and not as a write error: the stream is fine)."""
+        try:
+            return records_to_batch(records)
+        except Exception:
+            kept = []
+            for record in records:
+                try:
+                    records_to_batch([record])
+                    kept.append(record)
+                except Exception as exc:
+                    self.dropped_steps += 1
+                    self.unresolvable_dropped_steps += 1
+                    self._problems.report("log-unresolvable", f"step {record.step} not recorded: its record cannot "
+                                          f"be written ({type(exc).__name__}: {exc}); the next steps are")  # fmt: skip
+            return records_to_batch(kept)
+
     def _write(self, records: list[StepRecord]) -> None:
+        batch = self._batch(records)
+        if not batch.num_rows:
+            return
         try:
             if self._writer is not None and not self.path.exists():  # deleted under us
                 self._abandon()
             if self._writer is None:
                 self._open()
-            self._writer.write_batch(records_to_batch(records))
+            self._writer.write_batch(batch)
             self._file.flush()
             if self.fsync_interval_s and time.monotonic() - self._synced_at >= self.fsync_interval_s:
                 os.fsync(self._file.fileno())
                 self._synced_at = time.monotonic()
-            self.steps_written += len(records)
+            self.steps_written += batch.num_rows
         except Exception as exc:
-            self.dropped_steps += len(records)
+            self.dropped_steps += batch.num_rows
             self._abandon()
             self._fail("write", f"cannot write {self.path}: {exc}")
 
@@ -339,7 +400,8 @@ class EventLogWriter:
             self._lock.release()
 
 
-#: ``resolve(marks, deadline)``: resolved marks, ``None`` while pending, or ``timing.DROPPED``.
+#: ``resolve(marks, deadline)``: resolved marks, ``None`` while pending, or ``timing.DROPPED``; it
+#: raises for a step it can never resolve (dropped and counted in ``unresolvable_dropped_steps``).
 Resolver = Callable[[StepMarks, "float | None"], Any]
 
 
