@@ -138,6 +138,7 @@ def test_no_query_of_ours_breaks_a_graph_capture(one_rank_group, tmp_path: Path,
     gpu = install(monkeypatch)
     if not gated:  # the control: without the gate the same job breaks the capture, so the test can fail
         monkeypatch.setattr(CaptureGate, "quiet", lambda self: _always(True))
+        monkeypatch.setattr(CaptureGate, "event_class", lambda self: torch.cuda.Event)  # ungated queries
     model = Spinning(gpu, ms=100)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     watch = watched(model, tmp_path / "run", flush_interval_s=0.02)  # the log thread polls all along
