@@ -77,6 +77,12 @@ Claims, and how each fails when the implementation is wrong:
   against plain (interleaved blocks; the watch closed during plain blocks): PASS if the added
   time (of the medians) is < 5 % of the plain step or < 300 us. A per-collective synchronisation
   or heavy per-collective host work fails it.
+``hang_policy_nccl``: the hang policy on NCCL (world size 1, ``on_hang="abort"``, a 2 s watchdog, a
+  6 s bound): after a few steps, with an all-reduce and more kernels queued behind a GPU spin, the
+  rank stops making progress in a Python sleep. It must end with status 75 within the bound, **without
+  running the application's SIGTERM handler** (a checkpoint from a state queued kernels may corrupt),
+  having called ``hang_handler`` told ``backend: nccl`` and ``state_suspect: True``, its ``action``
+  event saying the same. Sending SIGTERM or aborting the groups first (the gloo path) runs the handler.
 ``gpu_context`` (only with NVML bindings, ``stragglerwatch[gpu]``; else SKIP): the context samples
   name the rank's own GPU (torch's UUID) and hold its SM clock, clock event reasons and temperature.
 
@@ -98,6 +104,7 @@ import os
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -1171,6 +1178,71 @@ def c_graph_capture(jobs: Jobs) -> Verdict:
     return v
 
 
+HANG_CHILD = r"""
+import json, os, signal, sys, time
+import torch, torch.distributed as dist
+from torch import nn
+import stragglerwatch
+
+out = sys.argv[1]
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+model = nn.parallel.DistributedDataParallel(nn.Linear(256, 256).cuda())
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+def checkpoint(signum, frame):
+    open(os.path.join(out, "sigterm-handler-ran"), "w").write("1")
+    sys.exit(0)
+
+def told(info):
+    open(os.path.join(out, "hang-handler.json"), "w").write(json.dumps(info))
+
+signal.signal(signal.SIGTERM, checkpoint)
+watch = stragglerwatch.attach(model, os.path.join(out, "run"), optimizer=opt, on_hang="abort",
+                              watchdog_timeout_s=2.0, hang_abort_s=6.0, hang_handler=told)
+x = torch.randn(64, 256, device="cuda")
+for _ in range(12):
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+torch.cuda._sleep(int(sys.argv[2]))  # the GPU busy: what follows is queued behind it
+t = torch.ones(1 << 20, device="cuda")
+dist.all_reduce(t)
+t.mul_(2)
+open(os.path.join(out, "stuck"), "w").write(repr(time.time()))
+while True:
+    time.sleep(1.0)
+"""
+
+
+def c_hang_policy_nccl(jobs: Jobs) -> Verdict:
+    v = Verdict()
+    out = jobs.root / "hang-nccl"
+    out.mkdir(parents=True)
+    env = {k: x for k, x in os.environ.items() if not k.startswith("STRAGGLERWATCH_")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    cycles = int(_calibrate() * 500)  # half a second of GPU time
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", HANG_CHILD, str(out), str(cycles)], env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    took = time.monotonic() - t0
+    stuck = float((out / "stuck").read_text()) if (out / "stuck").exists() else None
+    told = json.loads((out / "hang-handler.json").read_text()) if (out / "hang-handler.json").exists() else None
+    events = [json.loads(line) for f in (out / "run").glob("events-*.jsonl") for line in f.open()]
+    actions = [e for e in events if e.get("kind") == "action"]
+    ran = (out / "sigterm-handler-ran").exists()
+    v.say(f"exit status {proc.returncode} after {took:.1f} s; SIGTERM handler ran: {ran}; hang_handler told "
+          f"{told}; action events {[(a.get('backend'), a.get('state_suspect')) for a in actions]}",
+          exit_status=proc.returncode, seconds=round(took, 1), sigterm_handler_ran=ran, hang_handler=told)  # fmt: skip
+    v.need(stuck is not None, "the job never reached its stall: " + proc.stderr[-300:])
+    v.need(proc.returncode == 75, f"exit status {proc.returncode}, not 75")
+    v.need(not ran, "the application's SIGTERM handler ran after the decision on NCCL")
+    v.need(bool(told) and told.get("backend") == "nccl" and told.get("state_suspect") is True,
+           f"hang_handler was told {told}")  # fmt: skip
+    v.need(len(actions) == 1 and actions[0].get("state_suspect") is True, f"action events: {actions}")
+    return v
+
+
 def c_bounded_close(jobs: Jobs) -> Verdict:
     v = Verdict()
     r = jobs.run("bounded_close", timeout=60 + BLOCK_S, hard_exit=True)[0]
@@ -1284,6 +1356,9 @@ CLAIMS: dict[str, Claim] = {
     ),
     "fsdp2": Claim(c_fsdp2, "FSDP2 with and without CPU offload gets CUDA timing and right phases"),
     "host_cost_fsdp2": Claim(c_host_cost_fsdp2, "added host time a step on a 32-layer FSDP2 model < 5 % or < 300 us"),
+    "hang_policy_nccl": Claim(
+        c_hang_policy_nccl, "on NCCL the hang policy exits 75 without the SIGTERM handler; hang_handler told suspect"
+    ),
     "gpu_context": Claim(c_gpu_context, "NVML context samples name the rank's own GPU (SKIP without NVML)"),
     "bounded_close": Claim(c_bounded_close, "close() returns within close_timeout_s + 3 s behind a 30 s GPU spin"),
 }  # bounded_close last: its sub-job leaves the GPU spinning until its process is gone

@@ -21,6 +21,7 @@ fails to form about half the time: the Policies page).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -40,7 +41,7 @@ VARIANTS = {
 }
 
 
-def run(variant: str, timeout_s: float) -> float:
+def run(variant: str, timeout_s: float) -> tuple[float, float | None]:
     env, args = VARIANTS[variant]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
@@ -52,7 +53,10 @@ def run(variant: str, timeout_s: float) -> float:
         firsts = [out / f"first-1-{r}" for r in (0, 1)]
         if proc.returncode or not all(f.exists() for f in firsts):
             sys.exit(f"{variant}: the job did not restart (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        return max(float(f.read_text()) for f in firsts) - float((out / "hang-1").read_text())
+        hang = float((out / "hang-1").read_text())
+        actions = [json.loads(line)["detected_at"] for f in (out / "run").glob("events-*.jsonl") for line in f.open()
+                   if '"action"' in line]  # fmt: skip
+        return max(float(f.read_text()) for f in firsts) - hang, (min(actions) - hang if actions else None)
 
 
 def main() -> None:
@@ -61,15 +65,25 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="the collective timeout of the no-policy variant (s)")
     args = p.parse_args()
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    acted: dict[str, list[float]] = {v: [] for v in VARIANTS}
     t0 = time.perf_counter()
     for r, variant in in_turns(args.rounds, list(VARIANTS)):
-        times[variant].append(run(variant, args.timeout))
-        print(f"round {r + 1}: {variant}: {times[variant][-1]:.1f} s", flush=True)
+        restarted, action = run(variant, args.timeout)
+        times[variant].append(restarted)
+        if action is not None:
+            acted[variant].append(action)
+        print(f"round {r + 1}: {variant}: {restarted:.1f} s" + (f" (first action {action:.1f} s)" if action else ""),
+              flush=True)  # fmt: skip
     print(f"\nhang -> restarted job's first step (2 gloo ranks, torchrun --max-restarts 1, collective timeout "
           f"{args.timeout:g} s; {args.rounds} runs each, {time.perf_counter() - t0:.0f} s in all):")
     for variant, values in times.items():
         print(f"  {variant:<18} median {statistics.median(values):6.1f} s  (runs: "
               f"{', '.join(f'{v:.1f}' for v in values)})")
+    print("hang -> the first rank's action (the policy's own delay, without the restart):")
+    for variant, values in acted.items():
+        if values:
+            print(f"  {variant:<18} median {statistics.median(values):6.1f} s  (runs: "
+                  f"{', '.join(f'{v:.1f}' for v in values)})")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 CLAIMS = ("sync_vs_async", "exposed_wait_known", "no_sync_in_hot_path", "phase_accuracy", "straggler_and_stall",
-          "graph_capture", "bounded_close", "fsdp2", "host_cost_fsdp2", "gpu_context")  # fmt: skip
+          "graph_capture", "bounded_close", "fsdp2", "host_cost_fsdp2", "gpu_context", "hang_policy_nccl")  # fmt: skip
 NO_CUDA = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU for the script, also where there is one
 
 

@@ -282,3 +282,181 @@ def test_progress_travels_from_the_stall_events_to_the_post_hoc_verdict() -> Non
                       "evidence": "store", "peers": peers, "stall_id": "0-9"})  # the stall events come after it
     (hang,) = hangs_from_events(events, 3)
     assert hang["culprit_ranks"] == [1] and hang["basis"] == "device progress"
+
+
+# -- a rank stuck in native code holding the GIL: its own dumps, its late stall ------------------------------
+
+
+def _dump(at: float, *frames: str) -> str:
+    """One faulthandler dump as ``NativeStacks.collect`` returns it (stamped with when it was written): a
+    helper thread, then the main thread, most recent call first."""
+    main = "".join(f'  File "work.py", line {n} in {f}\n' for n, f in enumerate([*frames, "main", "<module>"], 1))
+    return (f"Timeout (0:00:04)! dumped at {at:.3f}\nThread 0x0000000000000002 (most recent call first):\n"
+            '  File "threading.py", line 331 in wait\n\nThread 0x0000000000000001 (most recent call first):\n'
+            + main)  # fmt: skip
+
+
+#: Where the main thread was in the earlier hold (deep in a forward) and in the stall's (in the loop itself).
+EARLIER = ("pre_hook", "_call_impl", "_wrapped_call_impl", "forward", "_call_impl", "_wrapped_call_impl",
+           "_run_ddp_forward", "forward", "_call_impl", "train_step", "distributed")  # fmt: skip
+HELD = ("distributed",)
+
+
+def _stall_and_diagnosis(rank: int, step: int, phase: str, since: float, at: float, counts: int) -> list[dict]:
+    note = {"step": step, "phase": phase, "since": since, "at": at, "collectives": {"0": counts}}
+    sid = f"{rank}-{step}-{int(since)}"
+    return [{"kind": "stall", "rank": rank, "step": step, "phase": phase, "since": since, "detected_at": at,
+             "threshold_s": 2.0, "waited_s": round(at - since, 3), "id": sid, "collectives": {"0": counts}},
+            {"kind": "diagnosis", "rank": rank, "step": step, "phase": phase, "since": since, "detected_at": at + 2,
+             "stall_id": sid, "evidence": "store", "peers": {str(rank): note, str(1 - rank): None}}]  # fmt: skip
+
+
+def test_a_hold_in_native_code_shows_its_own_dump_not_an_earlier_ones() -> None:
+    """Rank 1 of 2 holds the GIL for 8 s before step 10 (faulthandler dumps it; its watchdog cannot run).
+    A few seconds earlier, on a loaded machine, it had been held up 5 s at step 2 already (a first
+    dump, deep in a forward): rank 0 stalled at step 2, recovered, stalled again at step 10, and both
+    stalls are one cluster. The verdict speaks of the later one: so must the stacks (the dump of the
+    hold at step 10, not the first dump collected after the cluster began)."""
+    from stragglerwatch.presentation.render import main_stack
+
+    events = _stall_and_diagnosis(0, 2, W, 98.0, 100.0, 15)
+    events += [{"kind": "native_stacks", "rank": 1, "step": 2, "phase": "forward", "since": 97.9,
+                "detected_at": 102.8, "stacks": {"faulthandler": _dump(101.9, *EARLIER)}},
+               {"kind": "recovery", "rank": 0, "step": 10, "phase": "collective_wait", "stall_id": "0-2-98",
+                "detected_at": 103.0}]  # fmt: skip
+    events += _stall_and_diagnosis(0, 10, "collective_wait", 102.9, 105.0, 38)
+    # rank 1 runs again at 110.9: its watchdog collects both dumps of the 8 s hold (the timer repeats), and
+    # the training thread is past its next hook already (no stall event of its own: it is silent)
+    held = _dump(106.8, *HELD) + _dump(110.8, *HELD)
+    events += [{"kind": "native_stacks", "rank": 1, "step": 10, "phase": "forward", "since": 110.9,
+                "detected_at": 110.9, "stacks": {"faulthandler": held}},
+               {"kind": "recovery", "rank": 0, "step": 19, "phase": W, "stall_id": "0-10-102",
+                "detected_at": 111.0}]  # fmt: skip
+    (hang,) = hangs_from_events(events, 2)
+    assert (hang["culprit_ranks"], hang["victim_ranks"], hang["step"]) == ([1], [0], 10)
+    dump = hang["stacks"]["1"]["faulthandler"]
+    assert dump == _dump(106.8, *HELD), "the hold's first dump, alone: not the earlier one, not both"
+    shown = main_stack(hang["stacks"]["1"]).splitlines()
+    assert shown[0].startswith("(stuck in native code holding the GIL") and shown[1].endswith("line 1 in distributed")
+    # where the stalled rank's watchdog records the stall itself, late, its stall carries every dump since it
+    # last looked, the earlier hold's among them (the timer fired before, and the watchdog had not run since)
+    late = [e for e in events if e["kind"] != "native_stacks"]
+    stacks = {"faulthandler": _dump(101.9, *EARLIER) + held, "MainThread (1)": "File x.py, in forward"}
+    late += [{"kind": "stall", "rank": 1, "step": 10, "phase": "data_wait", "since": 102.85, "detected_at": 110.9,
+              "threshold_s": 2.0, "waited_s": 8.05, "id": "1-10-102", "collectives": {},  # moved on: not its counts
+              "stacks": stacks}]  # fmt: skip
+    (hang,) = hangs_from_events(late, 2)
+    assert (hang["culprit_ranks"], hang["victim_ranks"], hang["step"], hang["phase"]) == ([1], [0], 10, "data_wait")
+    assert hang["stacks"]["1"]["faulthandler"] == _dump(106.8, *HELD)
+    # an older record (dumps not stamped): as before, the first dump collected after the stall began
+    unstamped = [{**e, "stacks": {"faulthandler": e["stacks"]["faulthandler"].replace(" dumped at ", " ")}}
+                 if e["kind"] == "native_stacks" else e for e in events]  # fmt: skip
+    (old,) = hangs_from_events(unstamped, 2)
+    assert "in pre_hook" in old["stacks"]["1"]["faulthandler"]
+
+
+def test_a_stall_noticed_late_joins_the_hang_it_overlapped() -> None:
+    """A rank that held the GIL for 20 s notices its stall once it runs again, long after the others'
+    stall and diagnosis: its stall began with theirs, so it is the same hang, not a second one."""
+    events = _stall_and_diagnosis(0, 10, "collective_wait", 103.0, 105.0, 38)
+    events += [{"kind": "stall", "rank": 1, "step": 10, "phase": "data_wait", "since": 102.9, "detected_at": 123.0,
+                "threshold_s": 2.0, "waited_s": 20.1, "id": "1-10-102", "collectives": {},
+                "stacks": {"faulthandler": _dump(106.9, *HELD)}}]  # fmt: skip
+    (hang,) = hangs_from_events(events, 2)
+    assert (hang["culprit_ranks"], hang["victim_ranks"], hang["step"]) == ([1], [0], 10)
+    # a stall that began after the others' last event is a hang of its own
+    apart = [*events[:2], {**events[2], "since": 112.0, "waited_s": 11.0}]
+    assert len(hangs_from_events(apart, 2)) == 2
+
+
+class _LateProbe:
+    """A probe whose training thread runs on (past its next hook) once the stall's first look is taken."""
+
+    def __init__(self, stale: tuple[int, str, float]) -> None:
+        self.recent_steps = [0.01] * 5
+        self.device_trail = None
+        self.enabled = True
+        self.reads = 0
+        self._stale = stale
+
+    @property
+    def where(self) -> tuple[int, str, float]:
+        self.reads += 1
+        return self._stale if self.reads == 1 else (self._stale[0], "forward", time.perf_counter())
+
+
+class _Dumps:
+    """NativeStacks where faulthandler wrote a dump after the watchdog's first look of the round."""
+
+    def __init__(self, dump: str) -> None:
+        self.dump: str | None = dump
+
+    def arm(self, timeout_s: float, exit: bool = False) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+    def collect(self) -> str | None:
+        dump, self.dump = self.dump, None
+        return dump
+
+
+def test_a_stall_noticed_late_records_the_hold_not_what_came_after(tmp_path: Path, monkeypatch) -> None:
+    """The watchdog runs again after the GIL was held 8 s: by the time it records the stall, the training
+    thread is past its next hook and has issued more collectives. Those counts would make the peers it left
+    waiting look behind it (the culprit): the stall keeps where it was stuck, without them, and carries the
+    dump written while the watchdog could not run, even one written after its last look; one written after
+    the thread's last round is recorded when it stops."""
+    import stragglerwatch.runtime.hangs.watchdog as watchdog
+    from stragglerwatch.record.events import EventFile
+
+    monkeypatch.setattr(watchdog, "collective_counts", lambda: {"0": 39})  # issued since the hold ended
+    stale = (10, "data_wait", time.perf_counter() - 8.0)
+    dog = watchdog.Watchdog(_LateProbe(stale), EventFile(tmp_path / "events-00001.jsonl"), 1, 2, None,
+                            timeout_s=2.0, native=_Dumps(_dump(time.time() - 4.0, *HELD)))  # fmt: skip
+    dog._poll(None)
+    stall, diagnosis = read_events(tmp_path)[0]
+    assert stall["kind"] == "stall" and (stall["step"], stall["phase"]) == (10, "data_wait")
+    assert stall["collectives"] == {} and "in distributed" in stall["stacks"]["faulthandler"]
+    assert diagnosis["culprit_ranks"] == [1]
+    # a dump the thread had no round left to collect (the job ended first) is recorded when it stops
+    dog.native.dump = _dump(time.time(), *HELD)
+    dog.stop()
+    assert [e["kind"] for e in read_events(tmp_path)[0]][2:] == ["recovery", "native_stacks"]
+    # closing: the hooks are off, where they left the training thread is no stall
+    quiet = watchdog.Watchdog(_LateProbe(stale), EventFile(tmp_path / "q" / "events-00000.jsonl"), 0, 2, None,
+                              timeout_s=2.0)  # fmt: skip
+    quiet.probe.enabled = False
+    quiet._poll(None)
+    quiet.probe.enabled, quiet.probe.reads = True, 0
+    quiet._stop.set()
+    quiet._poll(None)
+    assert not (tmp_path / "q").exists() or read_events(tmp_path / "q")[0] == []
+
+
+def test_native_stacks_keep_dumping_a_hold_and_say_when(tmp_path: Path) -> None:
+    """faulthandler's timer repeats while no thread of ours runs (one dump does not leave a later hold
+    undumped), and what ``collect`` returns says when each dump was written."""
+    import ctypes
+
+    from stragglerwatch.analysis.hangs import native_dumps
+    from stragglerwatch.runtime.hangs.nativestacks import NativeStacks
+
+    native = NativeStacks(tmp_path / "stacks-00000.txt")
+    try:
+        before = time.time()
+        native.arm(0.25)
+        ctypes.PyDLL(None).usleep(1_300_000)  # holding the GIL: the timer fires about 5 times meanwhile
+        after = time.time()
+        dumps = native_dumps(native.collect() or "")
+    finally:
+        native.cancel()
+    assert len(dumps) >= 2, dumps
+    times = [at for at, _ in dumps]
+    assert all(at is not None and before - 0.5 <= at <= after + 0.5 for at in times), (before, times, after)
+    assert times == sorted(times) and all("test_native_stacks_keep_dumping" in d for _, d in dumps)
+    assert native.collect() is None, "collected once"

@@ -27,6 +27,7 @@ states the ranks' events recorded), so both name the same ranks.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -177,9 +178,16 @@ def classify(states: dict[int, dict[str, Any] | None], world_size: int) -> dict[
 
 
 def _cluster(events: list[dict[str, Any]], gap_s: float) -> list[list[dict[str, Any]]]:
+    """Stall and diagnosis events in clusters, one hang each: an event joins the cluster before it when it
+    came within ``gap_s`` of that cluster's last event, or when it is a stall that had begun by then (a rank
+    that held the GIL in native code could not run its watchdog: it notices its stall late, once it runs
+    again, however long the hold; its stall overlapped the others' all the same)."""
     clusters: list[list[dict[str, Any]]] = []
     for ev in sorted(events, key=lambda e: e.get("detected_at", 0.0)):
-        if clusters and ev.get("detected_at", 0.0) - clusters[-1][-1].get("detected_at", 0.0) <= gap_s:
+        last = clusters[-1][-1].get("detected_at", 0.0) if clusters else None
+        overlapped = ev.get("kind") == "stall" and ev.get("since") is not None and last is not None \
+            and ev["since"] <= last  # fmt: skip
+        if last is not None and (ev.get("detected_at", 0.0) - last <= gap_s or overlapped):
             clusters[-1].append(ev)
         else:
             clusters.append([ev])
@@ -213,6 +221,7 @@ def hangs_from_events(
         recovered = _recovered(group, events)
         ids = {e.get("id") for e in group if e.get("kind") == "stall"}
         aborted = sorted({int(e["rank"]) for e in events if _aborted(e) and e.get("stall_id") in ids})
+        busy = _busy(events, ids, verdict["culprit_ranks"])
         hangs.append(
             {
                 **verdict,
@@ -221,8 +230,9 @@ def hangs_from_events(
                 "threshold_s": first.get("threshold_s"),
                 "evidence": "store" if heard_all else "local",
                 "recovered": bool(recovered),
-                "stacks": _culprit_stacks(culprit_events, events, verdict["culprit_ranks"], first),
+                "stacks": _culprit_stacks(culprit_events, events, verdict["culprit_ranks"], first, _began(group)),
                 **({"aborted_ranks": aborted} if aborted else {}),  # ended by the hang policy (``on_hang``)
+                **({"busy": busy} if busy else {}),  # culprits at work, not hung (the policy's ``confirm``)
             }
         )
     shutdown = _shutdown_hang(events, world_size, last_steps or {})
@@ -243,6 +253,20 @@ def _aborted(event: dict[str, Any]) -> bool:
     return event.get("kind") == "action" and event.get("action") == "abort"
 
 
+def _busy(events: list[dict[str, Any]], ids: set[Any], culprits: list[int]) -> dict[str, str]:
+    """What the culprits of a stall were doing, by rank: what the hang policy saw while it waited for them
+    (``deferred`` events), else a culprit's own last progress when it recovered."""
+    out: dict[str, str] = {}
+    for e in sorted(events, key=lambda e: e.get("detected_at", 0.0)):
+        if e.get("stall_id") not in ids:
+            continue
+        if e.get("kind") in ("deferred", "recovery") and isinstance(e.get("busy"), dict):
+            out.update({str(r): str(d) for r, d in e["busy"].items()})
+        if e.get("kind") == "recovery" and e.get("doing") and e.get("rank") in culprits:
+            out.setdefault(str(e["rank"]), str(e["doing"]))
+    return out
+
+
 def _recovered(group: list[dict[str, Any]], events: list[dict[str, Any]]) -> bool:
     """Whether the stall ended in progress: a rank moved on, and not because its collective failed
     or it was being torn down (a victim moves on only once the culprit has issued the collective)."""
@@ -256,19 +280,52 @@ def _recovered(group: list[dict[str, Any]], events: list[dict[str, Any]]) -> boo
     return bool(moved)
 
 
+def _began(group: list[dict[str, Any]]) -> float | None:
+    """When the latest stall of a cluster began (Unix seconds; None: its stalls do not say). One cluster can
+    hold a stall that recovered and the next one, a few seconds later: the verdict, from each rank's latest
+    state, speaks of the later one."""
+    return max((float(e["since"]) for e in group if e.get("kind") == "stall" and e.get("since") is not None),
+               default=None)  # fmt: skip
+
+
+#: The first line of a faulthandler dump, and when it was written where ``NativeStacks.collect`` said so.
+_DUMP = re.compile(r"^Timeout \([^)\n]*\)!(?: dumped at (\d+(?:\.\d+)?))?", re.MULTILINE)
+
+
+def native_dumps(text: str) -> list[tuple[float | None, str]]:
+    """The faulthandler dumps in ``text``, each with when it was written (None: not said, an older record)."""
+    heads = list(_DUMP.finditer(text))
+    ends = [m.start() for m in heads[1:]] + [len(text)] if heads else []
+    return [(float(m[1]) if m[1] else None, text[m.start() : end]) for m, end in zip(heads, ends, strict=True)]
+
+
 def _culprit_stacks(
-    stalls: list[dict[str, Any]], events: list[dict[str, Any]], culprits: list[int], first: dict[str, Any]
-) -> dict[str, dict[str, str]]:
+    stalls: list[dict[str, Any]], events: list[dict[str, Any]], culprits: list[int], first: dict[str, Any],
+    began: float | None = None,
+) -> dict[str, dict[str, str]]:  # fmt: skip
     """Each culprit's stacks: faulthandler's dump when the rank was stuck in native code holding
-    the GIL (its own watchdog could not run then, so its stall event came late), else the stacks
-    its watchdog took at the stall."""
+    the GIL (its own watchdog could not run then, so its stall event, if any, came late), else the stacks
+    its watchdog took at the stall. Of the dumps it collected since the cluster began, the first written
+    once the stall the verdict speaks of had begun (``began``), else the last one before: an earlier
+    dump, of an earlier hold or of a rank too loaded to run its watchdog for a while, shows where the
+    rank was then, not where this stall holds it. Dumps that do not say when they were written (older
+    records): the first collected after the stall began, as they come."""
     out = {str(e["rank"]): e["stacks"] for e in stalls if e.get("stacks")}
     start = first.get("detected_at", 0.0) - (first.get("threshold_s") or 0.0)
-    for ev in sorted(events, key=lambda e: e.get("detected_at", 0.0)):
-        rank = ev.get("rank")
-        if ev.get("kind") == "native_stacks" and rank in culprits and ev.get("detected_at", 0.0) >= start:
+    began = start if began is None else max(began, start)
+    collected = sorted((e for e in events if e.get("kind") == "native_stacks" and e.get("detected_at", 0.0) >= start),
+                       key=lambda e: e.get("detected_at", 0.0))  # fmt: skip
+    for rank in culprits:
+        texts = [(ev.get("stacks") or {}).get("faulthandler") or "" for ev in collected if ev.get("rank") == rank]
+        texts += [(e.get("stacks") or {}).get("faulthandler") or "" for e in stalls if int(e["rank"]) == rank]
+        dumps = sorted({(at, dump) for text in texts for at, dump in native_dumps(text) if at is not None})
+        if dumps:
+            dump = next((d for at, d in dumps if at >= began), dumps[-1][1])
+            out[str(rank)] = {**out.get(str(rank), {}), "faulthandler": dump}
+            continue
+        ev = next((ev for ev in collected if ev.get("rank") == rank), None)
+        if ev is not None:  # the first dump after the stall, as an older record holds it
             out[str(rank)] = ev.get("stacks") or {}
-            culprits = [r for r in culprits if r != rank]  # the first dump after the stall
     return out
 
 
@@ -315,3 +372,55 @@ def _shutdown_hang(events: list[dict[str, Any]], world_size: int, last_steps: di
         "reasons": sorted({str(e.get("reason", e["kind"]))[:200] for e in abnormal}),
         "stacks": {},
     }
+
+
+#: Seconds a culprit that leaves no note (dead, or holding the GIL in native code, so that its watchdog
+#: cannot run) must have been silent before the hang policy acts, where its process cannot be read from the
+#: deciding rank's host: a rank pickling a large object holds the GIL for minutes and is not hung.
+SILENT_S = 300.0
+#: A note older than this many seconds (and its writer's publishing interval) is silence.
+STALE_S = 10.0
+
+
+def confirm(verdict: dict[str, Any], notes: dict[int, dict[str, Any] | None], now: float, quiet_s: float,
+            began: float, silent_s: float = SILENT_S,
+            local: dict[int, float | None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Whether the hang policy may act on a diagnosed stall: every culprit has made no progress for at least
+    ``quiet_s`` seconds. ``verdict`` is :func:`classify`'s; ``notes`` the ranks' latest notes (``at``: Unix
+    seconds; ``quiet_s``: seconds without progress when written, counted as such, never more; ``doing``: the
+    last progress in words; ``progress.py``); ``now`` Unix seconds; ``began``: when the stall began (Unix
+    seconds: silence counts from there, or from the culprit's last note if later); ``local``: for silent
+    culprits whose process the deciding rank can read on its own host, their seconds without progress, or
+    None.
+
+    Returns ``{"act": bool, "why": str, "busy": {rank: what it was doing}}``. No action on an undecided
+    verdict (nobody is behind: everyone waits alike, as while NCCL's communicators form), on a culprit that
+    progressed within ``quiet_s``, nor on a silent one (no fresh note, its process not readable here) silent
+    for less than ``silent_s``."""
+    culprits = [int(r) for r in verdict.get("culprit_ranks") or []]
+    if verdict.get("undecided") or not culprits:
+        return {"act": False, "why": "no rank is behind the others (undecided): no action", "busy": {}}
+    busy: dict[int, str] = {}
+    waits: list[str] = []
+    for rank in culprits:
+        note = notes.get(rank)
+        at = float((note or {}).get("at") or 0.0)
+        if note is not None and note.get("quiet_s") is not None and now - at <= STALE_S:  # it speaks
+            if float(note["quiet_s"]) < quiet_s:  # as of its note: the time since is not known to be quiet
+                busy[rank] = str(note.get("doing") or "progressing")
+            continue
+        seen = (local or {}).get(rank)
+        if seen is not None:  # silent, but its process can be read on this host
+            if seen < quiet_s:
+                busy[rank] = "its process is running (CPU time or I/O), its watchdog silent (the GIL held?)"
+            continue
+        silent_for = now - max(at, began)
+        if silent_for < silent_s:
+            waits.append(f"rank {rank} is silent ({silent_for:.0f} s; its progress cannot be read from this host): "
+                         f"acting after {silent_s:g} s of silence")  # fmt: skip
+    if busy:
+        doing = "; ".join(f"rank {r}: {d}" for r, d in sorted(busy.items()))
+        return {"act": False, "why": f"the culprit is busy, not hung ({doing})", "busy": busy}
+    if waits:
+        return {"act": False, "why": "; ".join(waits), "busy": {}}
+    return {"act": True, "why": f"no progress on rank(s) {culprits} for {quiet_s:g} s", "busy": {}}

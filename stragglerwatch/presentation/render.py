@@ -221,6 +221,9 @@ def hang_line(h: dict[str, Any]) -> str:
         text += "; the culprits are themselves blocked in a collective: one the others never issue (mismatch)?"
     if h.get("waited_s"):
         text += f"; noticed after {h['waited_s']:.1f} s"
+    if h.get("busy"):
+        doing = "; ".join(f"rank {r}: {d}" for r, d in sorted(h["busy"].items(), key=lambda x: int(x[0]))[:4])
+        text += f"; busy, not hung ({doing[:400]})"
     if h.get("aborted_ranks"):
         text += f"; ended by the hang policy on rank(s) {_ranks(h['aborted_ranks'])}"
     elif h.get("ended"):

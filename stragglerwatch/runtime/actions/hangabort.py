@@ -1,33 +1,46 @@
-"""``on_hang="abort"``: a rank whose stall outlasts its diagnosis leaves the job, so that the job restarts.
+"""``on_hang="abort"``: a rank whose stall outlasts its diagnosis, while the rank it waits for makes no
+progress, leaves the job, so that the job restarts.
 
-Design: the watchdog thread of every rank decides for itself, from its own stall, so that no store, no
-peer and no collective is needed when the job is stuck. ``hang_abort_s`` (default twice the watchdog's
-threshold) bounds the time from the rank's diagnosis to its exit:
+Design: the watchdog thread of every rank decides for itself, from its own stall and the notes its peers
+leave in the job's store (``analysis.hangs.confirm``: the culprits show no progress, ``progress.py``), so
+that no collective is needed when the job is stuck. ``hang_abort_s`` (default twice the watchdog's
+threshold) bounds the time from the rank's decision to act to its exit:
 
-1. For the first half nothing happens: a stall that ends then (a long checkpoint, a slow peer that
-   catches up) is left alone.
+1. For the first half of the bound after the diagnosis nothing happens; after it, the rank acts only once
+   every culprit has made no progress for that long (a long checkpoint, a recompile or a slow peer that
+   catches up is left alone, and the report says what it was doing).
 2. Then the rank records an ``action`` event (fsynced, after the stall's stacks and Flight Recorder dump)
    and flushes its step log; under torchrun's shared store, deletes the process groups' keys from it
-   (:func:`forget_group_keys`: else the restarted group may read this attempt's addresses); sends itself
-   SIGTERM where a Python handler is installed (ours, which runs the application's handler it chained to
-   and then exits with :data:`HANG_EXIT_STATUS`; or the application's own, installed after ``attach``);
-   and aborts every process group of the process (PyTorch's ``ProcessGroup.abort()``, NCCL's
-   communicators inside one group call as in ``torch.distributed.distributed_c10d._abort_process_group``),
-   on a thread of its own, bounded. On NCCL the abort makes a collective (or a host sync behind one)
-   return with an error, so that the main thread runs Python again, and with it the SIGTERM handler (a
-   checkpoint). Gloo's abort does not wake a rank blocked in a collective: such a rank runs its handler
-   only once a peer has left (its connection closes), which the culprit, deciding at the same time,
-   usually does.
+   (:func:`forget_group_keys`: else the restarted group may read this attempt's addresses). What follows
+   depends on the backend (:func:`device_backend`):
+
+   - **A host-blocking backend (gloo, MPI)**: the main thread is blocked in the collective and nothing
+     was queued behind it, so the model and optimizer state are those of the last finished step. The
+     rank sends itself SIGTERM where a Python handler is installed (ours, which runs the application's
+     handler it chained to and then exits with :data:`HANG_EXIT_STATUS`; or the application's own,
+     installed after ``attach``) and aborts every process group (``ProcessGroup.abort()``) on a thread of
+     its own, bounded. Gloo's abort does not wake a rank blocked in a collective: such a rank runs its
+     handler only once a peer has left (its connection closes), which the culprit usually does.
+   - **A backend that runs collectives on the device (NCCL and the like)**: the host has usually queued the
+     optimizer step and the next forward behind the stuck collective; after an abort those kernels would
+     run on half-reduced buffers, and PyTorch itself says no user code may run after a failed NCCL
+     operation. So no SIGTERM is sent, no process group is aborted (an abort would make the blocked call
+     return into the application's ``except``/``finally`` code) and the rank ends at once with
+     ``os._exit(HANG_EXIT_STATUS)``: no checkpoint is saved from that state. An application that wants to
+     act anyway gives ``hang_handler``, a callable run on the watchdog thread first, bounded, and told
+     ``state_suspect=True``.
+
 3. At the bound, a rank still alive ends with ``os._exit(HANG_EXIT_STATUS)`` after flushing stdout and
    stderr. A rank that ends by itself before (its handler called ``sys.exit``) ends with the same status:
    ours turns a status of 0 into it, and where the application's handler replaced ours the exit hook does
    (``Watch._at_exit``), so that ``torchrun --max-restarts`` counts the rank as failed and restarts the
    group.
 
-A rank stuck in native code holding the GIL runs none of this (no Python thread runs); for it the watchdog
-keeps ``faulthandler``'s timer armed with ``exit=True`` and its threshold + 2 s + the bound
-(``nativestacks.py``): its stacks are dumped and it ends with status 1 about when its peers leave,
-instead of waiting for its launcher's SIGKILL (torchrun's comes 30 s after its SIGTERM).
+A rank stuck in native code holding the GIL runs none of this (no Python thread runs). Where the user
+chose ``hang_abort_s``, the watchdog keeps ``faulthandler``'s timer armed with ``exit=True`` at its
+threshold + 2 s + that bound (``nativestacks.py``): its stacks are dumped and it ends with status 1 about
+when its peers leave. By default the timer only dumps stacks: a rank that holds the GIL in a long pickle
+is working, and nothing in the process can tell it from a stuck one.
 """
 
 from __future__ import annotations
@@ -146,6 +159,33 @@ def abort_process_groups(timeout_s: float = ABORT_WAIT_S) -> str:
     return "; ".join(outcome)
 
 
+#: Backend names whose collectives run on a device, asynchronously to the host (``torch.distributed``'s
+#: names): an abort there leaves the work queued behind the collective running on corrupted data.
+DEVICE_BACKENDS = ("nccl", "xccl", "hccl", "cncl", "mccl", "ucc")
+
+
+def device_backend() -> str | None:
+    """The name of a backend of this process's groups that runs collectives on a device (NCCL), or None
+    where every group blocks the host (gloo, MPI) or there is no group."""
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        c10d = dist.distributed_c10d
+        for pg in list(c10d._world.pg_map):
+            try:
+                name = str(c10d.get_backend(pg)).lower()
+            except Exception:
+                continue
+            found = next((b for b in DEVICE_BACKENDS if b in name), None)
+            if found:
+                return found
+    except Exception:
+        return None
+    return None
+
+
 def exit_now(status: int = HANG_EXIT_STATUS) -> None:
     """End the process at once, stdout and stderr flushed first (``os._exit`` skips that)."""
     for stream in (sys.stdout, sys.stderr):
@@ -161,12 +201,20 @@ class HangAbort:
 
     def __init__(self, bound_s: float | None, terminate: Callable[[], str], stopped: threading.Event,
                  abort: Callable[[], str] = abort_process_groups, exit: Callable[[int], None] = exit_now,
-                 forget: Callable[[], str] = lambda: forget_group_keys(os.environ)):  # fmt: skip
-        self.bound_s = bound_s  # None: twice the threshold at the stall
+                 forget: Callable[[], str] = lambda: forget_group_keys(os.environ),
+                 backend: Callable[[], str | None] = device_backend,
+                 handler: Callable[[dict[str, Any]], Any] | None = None):  # fmt: skip
+        self.bound_s = bound_s  # None: twice the threshold at the stall (not chosen by the user)
         self.terminate = terminate  # sends this process SIGTERM where a Python handler runs it; says which, or none
         self.stopped = stopped  # set when the Watch closes: the process is ending by itself
         self._abort, self._exit, self._forget = abort, exit, forget
+        self._backend, self.handler = backend, handler
         self.started = False
+
+    @property
+    def chosen(self) -> bool:
+        """Whether the user chose the bound (``hang_abort_s``): only then may faulthandler end the process."""
+        return bool(self.bound_s)
 
     def bound(self, threshold_s: float) -> float:
         return float(self.bound_s) if self.bound_s else 2.0 * threshold_s
@@ -175,18 +223,48 @@ class HangAbort:
         """Whether a stall diagnosed at ``diagnosed`` (perf-counter seconds) has lasted half the bound."""
         return not self.started and now - diagnosed >= self.bound(threshold_s) / 2
 
-    def run(self, diagnosed: float, threshold_s: float, now: float, record: Callable[..., Any]) -> None:
-        """Record the action, signal, abort the groups, then wait for the process to end by itself until the
-        bound, and end it there. Returns only when the Watch closed first (the process is exiting)."""
+    def run(self, diagnosed: float, threshold_s: float, now: float, record: Callable[..., Any],
+            info: dict[str, Any] | None = None) -> None:  # fmt: skip
+        """Record the action, then end the rank as its backend allows (the module's docstring); ``info`` is
+        what ``hang_handler`` is told. Returns only when the Watch closed first (the process is exiting)."""
         self.started = True
         bound = self.bound(threshold_s)
         wait = max(0.0, diagnosed + bound - now)
-        record(exit_status=HANG_EXIT_STATUS, bound_s=round(bound, 3), exit_within_s=round(wait, 3))
+        device = self._backend()
+        record(exit_status=HANG_EXIT_STATUS, bound_s=round(bound, 3), exit_within_s=round(wait, 3),
+               backend=device or "host", state_suspect=bool(device))  # fmt: skip
         keys = self._forget()
+        told = self._call_handler({**(info or {}), "backend": device or "host", "state_suspect": bool(device)},
+                                  wait)  # fmt: skip
+        if device:  # nothing of the application's runs after this: its state may be corrupted
+            LOGGER.warning("stragglerwatch: hang policy: stalled %.1f s past the diagnosis on %s; %s; %s; no SIGTERM "
+                           "and no abort (queued device work would run on corrupted data); exit status %d now",
+                           now - diagnosed, device, keys, told, HANG_EXIT_STATUS)  # fmt: skip
+            self._exit(HANG_EXIT_STATUS)
+            return
         handler = self.terminate()
         groups = self._abort()
-        LOGGER.warning("stragglerwatch: hang policy: stalled %.1f s past the diagnosis; %s; SIGTERM: %s; %s; exit "
-                       "status %d within %.1f s", now - diagnosed, keys, handler, groups, HANG_EXIT_STATUS, wait)
+        LOGGER.warning("stragglerwatch: hang policy: stalled %.1f s past the diagnosis; %s; %s; SIGTERM: %s; %s; exit "
+                       "status %d within %.1f s", now - diagnosed, keys, told, handler, groups, HANG_EXIT_STATUS,
+                       wait)  # fmt: skip
         if self.stopped.wait(wait):
             return
         self._exit(HANG_EXIT_STATUS)
+
+    def _call_handler(self, info: dict[str, Any], timeout_s: float) -> str:
+        """Run ``hang_handler`` (opt-in) on a thread of its own, waited for at most ``timeout_s``."""
+        if self.handler is None:
+            return "no hang_handler"
+        outcome: list[str] = []
+
+        def call() -> None:
+            try:
+                self.handler(dict(info))  # type: ignore[misc]
+                outcome.append("hang_handler returned")
+            except BaseException as exc:  # its sys.exit too: the exit is ours
+                outcome.append(f"hang_handler raised {type(exc).__name__}: {exc}"[:200])
+
+        worker = threading.Thread(target=call, name="stragglerwatch-hang-handler", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        return outcome[0] if outcome else f"hang_handler had not returned after {timeout_s:g} s"

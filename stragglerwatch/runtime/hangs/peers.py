@@ -112,8 +112,9 @@ class PeerBoard:
             self.errors += 1
             return False
 
-    def read(self) -> dict[int, dict[str, Any] | None] | None:
-        """Every rank's latest note (None where there is none); None if the store is unreachable.
+    def read(self, ranks: list[int] | None = None) -> dict[int, dict[str, Any] | None] | None:
+        """Every rank's latest note, or those of ``ranks`` (None where there is none); None if the store is
+        unreachable.
 
         Two store operations whatever the world size (``check`` and ``multi_get`` of every
         rank's key, which each rank set when its watchdog started); one key at a time only on
@@ -122,13 +123,14 @@ class PeerBoard:
             store = self._store()
             if store is None:
                 return None
-            keys = [self.prefix + str(r) for r in range(self.world_size)]
+            wanted = list(range(self.world_size)) if ranks is None else list(ranks)
+            keys = [self.prefix + str(r) for r in wanted]
             self.operations += 1
             if hasattr(store, "multi_get") and store.check(keys):
                 self.operations += 1
-                return {r: _note(v) for r, v in enumerate(store.multi_get(keys))}
+                return {r: _note(v) for r, v in zip(wanted, store.multi_get(keys), strict=True)}
             out: dict[int, dict[str, Any] | None] = {}
-            for r, key in enumerate(keys):
+            for r, key in zip(wanted, keys, strict=True):
                 self.operations += 1
                 if store.check([key]):
                     self.operations += 1

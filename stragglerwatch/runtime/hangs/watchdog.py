@@ -41,13 +41,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stragglerwatch.analysis.hangs import PROGRESS_KEYS, classify, local_verdict
+from stragglerwatch.analysis.hangs import PROGRESS_KEYS, SILENT_S, WAITING, classify, confirm, local_verdict
 from stragglerwatch.record.events import BOUNDED_WRITE_S, EventFile
 from stragglerwatch.runtime.actions.hangabort import HangAbort
 from stragglerwatch.runtime.hangs.dumps import dump_flight_recorder, thread_stacks
 from stragglerwatch.runtime.hangs.nativestacks import NativeStacks
 from stragglerwatch.runtime.hangs.peers import PeerBoard, collective_counts, collective_progress
-from stragglerwatch.runtime.log import Problems
+from stragglerwatch.runtime.hangs.progress import PeerProcesses, ProgressSampler, identity
+from stragglerwatch.runtime.log import LOGGER, Problems
 
 if TYPE_CHECKING:  # the probe needs torch; reading a run's events must not
     from stragglerwatch.runtime.capture.probes import StepProbe
@@ -77,6 +78,9 @@ class Watchdog:
         fr_path: Path | None = None,
         device: Callable[[], dict[str, Any] | None] | None = None,
         abort: Callable[[Watchdog], HangAbort] | None = None,
+        replays: Callable[[], int] | None = None,
+        silent_s: float = SILENT_S,
+        publish_s: float = 1.0,
     ):
         self.probe = probe
         self.device = device  # CUDA timing: where this rank's GPU is (``devices.device_progress``)
@@ -105,6 +109,17 @@ class Watchdog:
         self.exits_by_default: Callable[[], bool] = lambda: False
         self._thread = threading.Thread(target=self._run, name=f"stragglerwatch-watchdog-{rank}", daemon=True)
         self.abort = abort(self) if abort is not None else None  # ``on_hang="abort"`` (``hangabort.py``)
+        # a stalled rank's progress (``progress.py``): sampled while a stall lasts, published for the peers
+        main = threading.main_thread().ident
+        self.sampler = ProgressSampler(lambda: getattr(probe, "thread", None) or main, self._counters,
+                                       lambda: self.probe.where[1] in WAITING)  # fmt: skip
+        self.replays = replays  # CUDA graph replays so far (a replayed whole step fires no hook)
+        self._replayed: tuple[int, float] = (0, float("-inf"))
+        self.silent_s, self.publish_s = silent_s, publish_s
+        self._peers = PeerProcesses()
+        self._me = identity()
+        self._published = 0.0
+        self._decided = 0.0
         self.aborting = False  # the hang policy is ending this rank: a SIGTERM now is ours
         # the status the process must end with at interpreter exit (the application's handler replaced ours)
         self.exit_status: int | None = None
@@ -120,7 +135,10 @@ class Watchdog:
             self.record("recovery", stall_id=self._stall["id"])
         if self.native is not None:
             try:
+                dumped = self.native.collect()  # dumped since the thread's last look (the job ended before its next)
                 self.native.cancel()
+                if dumped:
+                    self.record("native_stacks", stacks={"faulthandler": dumped[-20000:]})
             except Exception:
                 self.errors += 1
 
@@ -150,7 +168,7 @@ class Watchdog:
 
     def _run(self) -> None:
         if self.board is not None:  # every rank's key exists from the start: the peers read them in one go
-            self.board.publish({"step": 0, "phase": "idle", "at": time.time()})
+            self.board.publish({"step": 0, "phase": "idle", "at": time.time(), **self._me})
         while not self._stop.is_set():
             try:
                 # a dump first: a stall noticed only now, when the rank runs Python again after holding the GIL
@@ -171,9 +189,9 @@ class Watchdog:
             dumped = dumped[-20000:]
             self._event("native_stacks", stacks={"faulthandler": dumped})
         threshold = self.threshold()
-        if self.abort is None:
+        if self.abort is None or not self.abort.chosen:  # a long pickle holds the GIL too: only stacks
             self.native.arm(threshold + 2.0)
-        else:  # on_hang="abort": a rank holding the GIL past its bound ends itself, its stacks dumped first
+        else:  # a bound the user chose: a rank holding the GIL past it ends itself, its stacks dumped first
             self.native.arm(threshold + 2.0 + self.abort.bound(threshold), exit=True)
         return dumped or None
 
@@ -192,39 +210,128 @@ class Watchdog:
 
     def _poll(self, native_dump: str | None = None) -> None:
         step, phase, since = self.probe.where
-        if phase == "idle":
-            return
+        if phase == "idle" or self._stop.is_set() or not getattr(self.probe, "enabled", True):
+            return  # closing: the hooks are off, so where they left the training thread says nothing any more
         now = time.perf_counter()
+        replayed = self._replay_time(now)
         if self._stall is not None:
-            if (step, phase, since) != self._stall["where"]:
-                self._event("recovery", stall_id=self._stall["id"], stalled_s=round(now - self._stall["t"], 3))
-                self._stall, self.stalled = None, False
-            elif self.abort is not None and self.abort.due(self._stall["diagnosed"], self._stall["threshold_s"], now):
-                self._abort(now)
+            if (step, phase, since) != self._stall["where"] or replayed > self._stall["detected"]:
+                self._recovered(now)
+                return
+            self._follow(now)
+            if self.abort is not None and self.abort.due(self._stall["diagnosed"], self._stall["threshold_s"], now):
+                self._decide(now)
             return
         threshold = self.threshold()
-        if now - since <= threshold:
+        if now - max(since, replayed) <= threshold:
             return
         if self.native is not None:  # this thread is busy on purpose from here: no dump for that
             self.native.pause()
+            # and what was dumped after _native looked, while this thread waited to run on (the stall's own dumps)
+            native_dump = "".join(d for d in (native_dump, self.native.collect()) if d)[-20000:] or None
         stall_id = f"{self.rank}-{step}-{int(self._wall + since)}"
         # diagnosed: when the diagnosis was written (the hang policy counts from there; until then, from now)
         self._stall = {"id": stall_id, "where": (step, phase, since), "t": since, "diagnosed": now,
-                       "threshold_s": threshold}  # fmt: skip
+                       "detected": now, "threshold_s": threshold}  # fmt: skip
         self.stalled = True
         self.timeouts_by_phase[phase] = self.timeouts_by_phase.get(phase, 0) + 1
+        self.sampler.begin(now)
         stacks = thread_stacks()
         if native_dump:  # noticed late: the GIL was held; the dump is where the rank was stuck
             stacks = {"faulthandler": native_dump, **stacks}
+        counts, progress = collective_counts(), self._progress()
+        if self.probe.where != (step, phase, since):  # it ran on while we looked (noticed late, once the GIL
+            counts, progress = {}, {}  # was let go): what it has issued now would blame the ranks it left waiting
         ev = self._event("stall", (step, phase, since), id=stall_id, waited_s=round(now - since, 3),
-                         threshold_s=round(threshold, 3), collectives=collective_counts(),
-                         **self._progress(), stacks=stacks)  # fmt: skip
+                         threshold_s=round(threshold, 3), collectives=counts, **progress, stacks=stacks)  # fmt: skip
         verdict = self._diagnose(ev, grace_s=max(2.0, 2 * statistics.median(self.probe.recent_steps or [0.0])))
         self._flight_recorder(stall_id)
         self._stall.update(diagnosed=time.perf_counter(), verdict=verdict)
 
+    def _replay_time(self, now: float) -> float:
+        """When this rank last replayed a CUDA graph (perf-counter seconds; -inf: never seen)."""
+        if self.replays is None:
+            return float("-inf")
+        try:
+            count = int(self.replays())
+        except Exception:
+            return float("-inf")
+        if count != self._replayed[0]:
+            self._replayed = (count, now)
+        return self._replayed[1]
+
+    def _recovered(self, now: float) -> None:
+        stall = self._stall or {}
+        progress = self.sampler.progress
+        said: dict[str, Any] = {"doing": progress.doing} if progress is not None and progress.doing else {}
+        if stall.get("busy"):  # what the culprits were doing while the policy waited
+            said["busy"] = stall["busy"]
+        self._event("recovery", stall_id=stall.get("id"), stalled_s=round(now - stall.get("t", now), 3), **said)
+        self._stall, self.stalled = None, False
+        self.sampler.end()
+        self._peers.forget()
+
+    def _counters(self) -> Any:
+        """The job's own counters at a stall sample: collectives issued, started and completed, the GPU's
+        progress, graph replays (any change is progress)."""
+        return (collective_counts(), self._progress(), self._replayed[0])
+
+    def _note(self, now: float) -> dict[str, Any]:
+        """This rank's note during its stall: its state at the diagnosis and its progress now."""
+        stall = self._stall or {}
+        note = dict(stall.get("note") or {})
+        if self.sampler.progress is not None:
+            note.update(self.sampler.progress.note(now))
+        return {**note, "at": time.time(), **self._me}
+
+    def _follow(self, now: float) -> None:
+        """A stall goes on: sample this rank's progress (and that of culprits running on this host), and, as a
+        culprit, tell the peers every ``publish_s`` (a victim's progress decides nothing)."""
+        if self.sampler.poll(now) is not None and self.abort is not None:
+            self._culprit_processes(now)
+        stall = self._stall or {}
+        verdict = stall.get("verdict") or {}
+        culprit = self.rank in (verdict.get("culprit_ranks") or []) or verdict.get("undecided", False)
+        if self.board is not None and "note" in stall and culprit and now - self._published >= self.publish_s:
+            self._published = now
+            self.board.publish(self._note(now))
+
+    def _culprit_processes(self, now: float) -> dict[int, float | None]:
+        """Seconds without progress of each other culprit's process, where it runs on this host (else None)."""
+        stall = self._stall or {}
+        who = stall.get("who") or {}
+        culprits = (stall.get("verdict") or {}).get("culprit_ranks") or []
+        return {r: self._peers.quiet_s(r, who.get(r), now) for r in culprits if r != self.rank}
+
+    def _decide(self, now: float) -> None:
+        """``on_hang="abort"``, past half the bound: act only if every culprit makes no progress (once a second)."""
+        if self.abort is None or self._stall is None or now - self._decided < 1.0:
+            return
+        self._decided = now
+        stall = self._stall
+        verdict = stall.get("verdict") or {}
+        bound = self.abort.bound(stall["threshold_s"])
+        culprits = [r for r in verdict.get("culprit_ranks") or [] if r != self.rank]
+        notes = (self.board.read(culprits) if self.board is not None and culprits else None) or {}
+        notes[self.rank] = self._note(now)
+        wall = time.time()
+        local = self._culprit_processes(now)
+        decision = confirm(verdict, notes, wall, bound / 2, began=self._wall + stall["t"], silent_s=self.silent_s,
+                           local=local)  # fmt: skip
+        if decision["act"]:
+            self._abort(now)
+            return
+        busy = {str(r): d for r, d in decision["busy"].items()}
+        stall["busy"] = busy or stall.get("busy")
+        kind = (decision["why"].split(" (")[0], tuple(sorted(busy)))  # said once, not at every new figure
+        if kind != stall.get("deferred"):
+            stall["deferred"] = kind
+            self._event("deferred", stall_id=stall["id"], why=decision["why"], busy=busy)
+            LOGGER.warning("stragglerwatch: hang policy: no action yet on stall %s: %s", stall["id"], decision["why"])
+
     def _abort(self, now: float) -> None:
-        """``on_hang="abort"``: this rank's stall has outlasted half the bound after its diagnosis."""
+        """``on_hang="abort"``: this rank's stall has outlasted half the bound after its diagnosis, and its
+        culprits made no progress for that long."""
         if self.abort is None or self._stall is None:
             return
         stall = self._stall
@@ -238,7 +345,11 @@ class Watchdog:
             self.actions["abort"] = self.actions.get("abort", 0) + 1
             self._flush()
 
-        self.abort.run(stall["diagnosed"], stall["threshold_s"], now, record)
+        info = {"rank": self.rank, "stall_id": stall["id"], "culprit_ranks": verdict.get("culprit_ranks"),
+                "victim_ranks": verdict.get("victim_ranks"), "step": stall["where"][0], "phase": stall["where"][1]}
+        # the bound counts from the decision: a stall deferred while its culprit worked leaves the handlers time
+        half = self.abort.bound(stall["threshold_s"]) / 2
+        self.abort.run(max(stall["diagnosed"], now - half), stall["threshold_s"], now, record, info)
 
     def _progress(self) -> dict[str, Any]:
         """What completed, beside what was issued: per group the last started and completed
@@ -271,10 +382,15 @@ class Watchdog:
         own = {"step": stall["step"], "phase": stall["phase"], "since": stall["since"], "at": stall["detected_at"],
                "collectives": stall["collectives"],
                **{k: stall[k] for k in PROGRESS_KEYS if stall.get(k) is not None}}  # fmt: skip
+        if self._stall is not None:
+            self._stall["note"] = own
         states = None
-        if self.board is not None and self.board.publish(own):
+        if self.board is not None and self.board.publish(self._note(time.perf_counter())):
             self._stop.wait(grace_s)
             states = self.board.read()
+            if states is not None and self._stall is not None:  # where each rank's process is (``progress.py``)
+                keys = ("host", "pid", "start")
+                self._stall["who"] = {r: {k: n.get(k) for k in keys} for r, n in states.items() if n}
             if states is not None:  # notes from an older stall, or of no stall, do not speak for this one
                 horizon = stall["since"] - stall["threshold_s"]
                 states = {r: s if s and s.get("phase") != "idle" and s.get("at", 0) >= horizon else None
