@@ -23,7 +23,10 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
 def page_the_operator(verdict: dict) -> None:
     """Called once per episode on rank 0, on a thread of stragglerwatch's, with the verdict."""
-    print("drain", verdict["host"], "rank", verdict["rank"], verdict["cause"], json.dumps(verdict["hints"]))
+    if verdict["exclude"]:  # a signal of its node explains it (a slower GPU clock, CPU contention, ...)
+        print("drain", verdict["host"], [e["text"] for e in verdict["host_evidence"]])
+    else:  # nothing of its node does: look at the rank's work, not at the node
+        print("rank", verdict["rank"], verdict["cause"], verdict["not_excluded"], json.dumps(verdict["hints"]))
 
 
 watch = stragglerwatch.attach(

@@ -209,4 +209,7 @@ def _cpu(found: Mapping[str, Any], own: Mapping[str, float], host: str | None) -
     if "memory_pressure" in found or "swap_used" in found:
         lines.append(f"its host is short of memory: free memory{on} (other processes, fewer data-loader workers or a "
                      "lower prefetch_factor) or add memory")  # fmt: skip
+    if "io_pressure" in found:
+        lines.append(f"tasks on its host wait for storage: look for what else reads or writes there{on} (iotop, "
+                     "iostat -x), or stage its data on a faster local disk")  # fmt: skip
     return lines

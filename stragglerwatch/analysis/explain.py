@@ -129,6 +129,8 @@ SIGNALS: tuple[Signal, ...] = (
            per=PerRun("workers_invol_per_cpu", 100, 1.0, lambda v, p: f"{v:,.0f} per CPU-second they ran "
                       f"(peers {p:,.0f})")),
     Signal("memory_pressure", "memory_pressure", 1, 0.05, lambda v, p: f"memory pressure {_pct(v)} (peers {_pct(p)})"),
+    Signal("io_pressure", "io_pressure", 1, 0.10,
+           lambda v, p: f"I/O pressure {_pct(v)} on its host: tasks waited for storage (peers {_pct(p)})", rel=0.5),
     Signal("swap_used", "swap_used_bytes", 1, 2**28,
            lambda v, p: f"{v / 2**30:.1f} GiB in swap (peers {p / 2**30:.1f} GiB)", rel=0.5),
 )  # fmt: skip

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -261,33 +262,7 @@ class LiveRun:
     def _read(self, f: Path, state: _File) -> pa.Table | None:
         if f.suffix == ".parquet":
             return read_log(f, _NAMES, _quiet)
-        batches = []
-        try:
-            with pa.memory_map(str(f), "r") as src:
-                if state.schema is None:
-                    try:
-                        message = pa.ipc.MessageReader.open_stream(src).read_next_message()
-                    except StopIteration:
-                        return None  # created, nothing written yet
-                    schema = pa.ipc.read_schema(message)
-                    if schema_compatible(schema):
-                        return None
-                    state.schema, state.offset = schema, src.tell()
-                src.seek(state.offset)  # after the last complete batch read
-                reader = pa.ipc.MessageReader.open_stream(src)
-                while True:
-                    try:
-                        batch = pa.ipc.read_record_batch(reader.read_next_message(), state.schema)
-                        batch.validate(full=True)
-                    except StopIteration:
-                        break
-                    except (pa.ArrowException, OSError, EOFError, ValueError):
-                        break  # a batch being written: read it next time
-                    batches.append(batch)
-                    state.offset = src.tell()
-        except (pa.ArrowException, OSError, EOFError, ValueError):
-            return None
-        return pa.Table.from_batches(batches, schema=state.schema) if batches else None
+        return read_new(f, state, schema_compatible)
 
     def _scatter(self, table: pa.Table) -> int | None:
         keys = attempt_keys(table)
@@ -445,6 +420,39 @@ class LiveRun:
                                  (state.e, state.costly, state.med, state.level, state.counted)))  # fmt: skip
         sc = cons.combine1([cons.round1(part)], self.cfg)
         return cons.combine2([cons.round2(part, sc, self.cfg)], sc, self.cfg)
+
+
+def read_new(f: Path, state: _File, problem: Callable[[pa.Schema], str | None]) -> pa.Table | None:
+    """The complete record batches of the Arrow stream ``f`` after ``state.offset`` (its schema and offset
+    kept in ``state``; a batch being written is read next time); None when there is none, or when the
+    stream's schema has a ``problem``."""
+    batches = []
+    try:
+        with pa.memory_map(str(f), "r") as src:
+            if state.schema is None:
+                try:
+                    message = pa.ipc.MessageReader.open_stream(src).read_next_message()
+                except StopIteration:
+                    return None  # created, nothing written yet
+                schema = pa.ipc.read_schema(message)
+                if problem(schema):
+                    return None
+                state.schema, state.offset = schema, src.tell()
+            src.seek(state.offset)  # after the last complete batch read
+            reader = pa.ipc.MessageReader.open_stream(src)
+            while True:
+                try:
+                    batch = pa.ipc.read_record_batch(reader.read_next_message(), state.schema)
+                    batch.validate(full=True)
+                except StopIteration:
+                    break
+                except (pa.ArrowException, OSError, EOFError, ValueError):
+                    break  # a batch being written: read it next time
+                batches.append(batch)
+                state.offset = src.tell()
+    except (pa.ArrowException, OSError, EOFError, ValueError):
+        return None
+    return pa.Table.from_batches(batches, schema=state.schema) if batches else None
 
 
 def _stats(d: dict[str, np.ndarray], n: int) -> StepStats:

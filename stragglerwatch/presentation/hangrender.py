@@ -89,10 +89,17 @@ def action_line(a: dict[str, Any], ranks: list[int] | None = None) -> str:
         return (f"hang policy: {who}{when} left the job (exit status {a.get('exit_status')}) "
                 f"{a.get('stalled_s', 0):.0f} s into a stall whose culprit was rank(s) {culprits}")
     v = a.get("verdict") or {}
-    done = ", ".join(a.get("done") or []) or "no action succeeded"
+    declined = a.get("declined") or {}
+    if not a.get("done") and "all" in declined:
+        done = f"left alone: {declined['all']}"
+    else:
+        done = ", ".join(a.get("done") or []) or "no action succeeded"
     where = f" into {a['exclude_file']}" if a.get("exclude_file") else ""
-    return (f"straggler policy{when}: rank {v.get('rank')} on {v.get('host') or 'an unknown host'} ({v.get('cause')}, "
-            f"{v.get('slowdown')}x for {v.get('flagged_s')} s from step {v.get('since_step')}): {done}{where}")
+    why = "".join(f"; {k} declined: {r}" for k, r in declined.items() if k != "all")
+    return (
+        f"straggler policy{when}: rank {v.get('rank')} on {v.get('host') or 'an unknown host'} ({v.get('cause')}, "
+        f"{v.get('slowdown')}x for {v.get('flagged_s')} s from step {v.get('since_step')}): {done}{where}{why}"
+    )
 
 
 def action_lines(report: dict[str, Any]) -> list[str]:

@@ -77,6 +77,14 @@ class CollectiveReader:
             self._frames = [self._rows]
         return Collectives(self._rows, dict(self._lost), self._bad)
 
+    def keep_since(self, t: float) -> None:
+        """Forget the rows created before ``t`` (Unix seconds), for a reader that follows a window of the
+        run in bounded memory (``analysis.policyfeed``)."""
+        rows = pd.concat(self._frames, ignore_index=True) if len(self._frames) > 1 else self._rows
+        if rows is not None:
+            self._rows = rows[rows["created"] >= t].reset_index(drop=True)
+            self._frames = [self._rows]
+
     def _parse(self, rank: int, text: str) -> pd.DataFrame:
         groups_col: list[str] = []
         seq: list[int] = []

@@ -8,8 +8,8 @@ their major and fill a column an older minor lacks with its empty value). :func:
 reads every rank's stream back; files that are foreign, damaged or of another major version are
 skipped (or read up to the damage) with a :class:`~stragglerwatch.record.steplog.RunDirWarning`.
 
-Units: ratios are 0..1 (pressure, steal, run-queue wait, utilisation), rates are per second over
-the interval since the rank's previous sample (``interval_s``), counters (ECC, PCIe replays,
+Units: ratios are 0..1 (pressure: CPU, memory and, from 1.1, I/O; steal, run-queue wait, utilisation),
+rates are per second over the interval since the rank's previous sample (``interval_s``), counters (ECC, PCIe replays,
 NVLink errors, XID events) are cumulative as the device reports them, NaN is "not known here".
 """
 
@@ -31,7 +31,7 @@ from stragglerwatch.record.streams import read_segment, segment_path, version_pr
 if TYPE_CHECKING:  # a DataFrame only for who reads it: the training process never imports pandas
     import pandas as pd
 
-CONTEXT_VERSION = "1.0"
+CONTEXT_VERSION = "1.1"  # 1.1 added io_pressure
 CONTEXT_KEY = b"stragglerwatch.context_version"
 CONTEXT_NAME = re.compile(r"^context-(\d+)(?:\.(\d+))?\.(arrows|parquet)$")
 
@@ -42,7 +42,7 @@ _FIELDS = [
     ("cpu_pressure", _F), ("memory_pressure", _F), ("load1", _F), ("cpus", _I), ("steal", _F),
     ("cores_busy", _F), ("affinity", _S), ("affinity_cpus", _I), ("run_delay", _F), ("invol_switches", _F),
     ("cpu_time", _F), ("workers", _I), ("workers_cpu_time", _F), ("workers_invol_switches", _F),
-    ("swap_used_bytes", _F), ("mem_available_bytes", _F),
+    ("swap_used_bytes", _F), ("mem_available_bytes", _F), ("io_pressure", _F),
     # GPU (gpu = -1: none): NVML index and UUID, as DCGM labels them
     ("gpu", _I), ("gpu_uuid", _S), ("sm_clock_mhz", _F), ("sm_clock_max_mhz", _F), ("clock_reasons", pa.int64()),
     ("temperature_c", _F), ("power_w", _F), ("power_limit_w", _F), ("gpu_util", _F), ("ecc_uncorrected", _F),
@@ -92,6 +92,29 @@ def context_files(run_dir: Path) -> list[Path]:
     return log_files(run_dir, CONTEXT_NAME)
 
 
+def read_file(path: Path) -> pa.Table | None:
+    """One context file's readable samples (a stream up to a batch cut short, or a compacted segment)."""
+    return _read(path)
+
+
+def as_schema(table: pa.Table, where: Path | str = "") -> pa.Table | None:
+    """Samples read from a context file as :data:`CONTEXT_SCHEMA`'s columns (a column an older minor version
+    lacks filled with its empty value); None, with a warning, when they cannot be."""
+    for field in CONTEXT_SCHEMA:
+        if field.name not in table.column_names:  # an older minor version
+            table = table.append_column(field, pa.array([EMPTY[field.name]] * table.num_rows, type=field.type))
+    try:
+        return table.select(list(COLUMNS)).cast(CONTEXT_SCHEMA)
+    except (pa.ArrowException, ValueError) as exc:
+        warnings.warn(f"{where}: skipped: not readable as context ({exc})", RunDirWarning, stacklevel=3)
+        return None
+
+
+def schema_problem(schema: pa.Schema) -> str | None:
+    """Why a context stream of ``schema`` cannot be read here (None: it can)."""
+    return _problem(schema)
+
+
 def load_context(run_dir: str | os.PathLike[str]) -> pd.DataFrame:
     """Every rank's context samples of a run dir, sorted by rank and time (:data:`COLUMNS`);
     an empty frame with those columns when the run has none (an older run, or sampling was off)."""
@@ -101,13 +124,9 @@ def load_context(run_dir: str | os.PathLike[str]) -> pd.DataFrame:
         table = _read(f)
         if table is None or not table.num_rows:
             continue
-        for field in CONTEXT_SCHEMA:
-            if field.name not in table.column_names:  # an older minor version
-                table = table.append_column(field, pa.array([EMPTY[field.name]] * table.num_rows, type=field.type))
-        try:
-            tables.append(table.select(list(COLUMNS)).cast(CONTEXT_SCHEMA))
-        except (pa.ArrowException, ValueError) as exc:
-            warnings.warn(f"{f}: skipped: not readable as context ({exc})", RunDirWarning, stacklevel=2)
+        table = as_schema(table, f)
+        if table is not None:
+            tables.append(table)
     if not tables:
         return CONTEXT_SCHEMA.empty_table().to_pandas()
     frame = pa.concat_tables(tables).to_pandas()

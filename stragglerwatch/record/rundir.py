@@ -47,10 +47,35 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+#: The attempts a ``rank-NNNNN.json`` remembers where its rank ran (the latest ones).
+MAX_ATTEMPTS = 64
+
+
 def write_rank_meta(info: RunInfo, rank_meta: dict[str, Any]) -> None:
-    """(Re)write this rank's ``rank-NNNNN.json``: identity, pid and ``rank_meta``."""
+    """(Re)write this rank's ``rank-NNNNN.json``: identity, pid and ``rank_meta``, and ``attempts``: where the
+    rank ran in each attempt of the run (``restart``, ``attach``, ``host``, ``local_rank``), kept from the file
+    an earlier attempt wrote, since a restarted rank may run on another host."""
+    path = info.run_dir / f"rank-{info.rank:05d}.json"
     own = {k: v for k, v in asdict(info).items() if k != "run_dir"}
-    write_json_atomic(info.run_dir / f"rank-{info.rank:05d}.json", {**own, "pid": os.getpid(), **rank_meta})
+    this = {"restart": info.restart, "attach": info.attach, "host": info.host, "local_rank": info.local_rank}
+    try:
+        before = json.loads(path.read_text()).get("attempts") or []
+    except (OSError, ValueError, AttributeError):
+        before = []
+    attempts = [a for a in before if isinstance(a, dict) and (a.get("restart"), a.get("attach")) !=
+                (info.restart, info.attach)][-(MAX_ATTEMPTS - 1):] + [this]  # fmt: skip
+    write_json_atomic(path, {**own, "pid": os.getpid(), **rank_meta, "attempts": attempts})
+
+
+def where_ran(meta: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
+    """Where a rank ran, by attempt ``(restart, attach)``: ``{"host", "local_rank"}``, from its
+    ``rank-NNNNN.json`` (one written before ``attempts`` was kept gives its latest attempt only)."""
+    out: dict[tuple[int, int], dict[str, Any]] = {}
+    for a in [*(meta.get("attempts") or []), meta]:
+        if isinstance(a, dict) and a.get("host"):
+            key = (int(a.get("restart") or 0), int(a.get("attach") or 0))
+            out.setdefault(key, {"host": str(a["host"]), "local_rank": a.get("local_rank")})
+    return out
 
 
 def read_run_meta(run_dir: Path) -> dict[str, Any] | None:

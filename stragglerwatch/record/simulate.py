@@ -9,7 +9,14 @@ offsets, heavy-tailed spikes, periodic job-wide stalls, noise shared by a host's
 slow per-rank drift, per-step residuals resampled from real healthy runs); an injected
 straggler adds ``slowdown`` x base to its cause's phase from ``onset`` to ``end``; held-out kinds, also
 off by default: two-mode steps, slow drift shared by a host's ranks, stragglers that come and go or move
-between ranks, and excess split between phases as real causes mix. The all-reduce barrier makes every
+between ranks, and excess split between phases as real causes mix. Ranks that differ by design, also off
+by default: a duty of rank 0 (or of every host's first rank) each step, such as writing a metrics line
+(``duty_ms``, in the gap before the next forward: the data wait a loop without a timed loader shows), and
+pipeline stages (``groups``) that are busier than each other (``group_skew``) and may go unlabelled
+(``roles=False``). A restart (``restart_at``) records the later steps as a second attempt, its ranks
+moved to other hosts (``restart_move``); ``context_every`` writes host and GPU context samples, in
+which an injection's ``evidence`` shows (a slower SM clock, thermal slowdown, steal, I/O pressure on
+its host). The all-reduce barrier makes every
 rank's step the busiest rank's busy time plus the transfer time, so each rank's
 exposed wait is ``step - busy`` — the same arithmetic as a real run.
 
@@ -58,6 +65,7 @@ class Injection:
     duty: int = 0
     moves: tuple[int, ...] = ()  # moving: every ``move_every`` steps the slow rank becomes the next of these
     move_every: int = 0  # (cycling through ``rank``, *moves)
+    evidence: str = ""  # with ``context_every``: what its context shows while it is slow (``EVIDENCE``)
 
     @classmethod
     def parse(cls, text: str) -> Injection:
@@ -156,6 +164,18 @@ class SimConfig:
     heavy_share: float = 0.2  # ... by this much (0.2 = 20% more tokens)
     token_share: float = 0.8  # share of forward + backward that grows with the tokens (at the mean); the rest is fixed
     attn_share: float = 0.0  # of that share, the part quadratic in the sequence lengths (attention)
+    # ranks that differ by design, all off by default (the above stay as they were)
+    duty_ms: float = 0.0  # extra ms each step on the duty ranks (logging, ``.item()``), in ``duty_phase``
+    duty_ranks: str = "rank0"  # "rank0", or "local0": every host's first rank
+    duty_phase: str = "data_wait_s"  # where the duty shows: the gap before the next forward (data) or other_s
+    duty_evidence: str = ""  # with ``context_every``: what the duty ranks' context shows (``EVIDENCE``)
+    group_skew: float = 0.0  # group g (of ``groups``) is busier by ``group_skew * g / (groups - 1)``
+    roles: bool = True  # record each rank's group as its role (False: stages nobody labelled)
+    restart_at: int = 0  # > 0: the steps from this one are a second attempt (restart 1), numbered from 0
+    restart_move: int = 0  # ... on which rank r runs on the host of rank r + restart_move * ranks_per_host
+    context_every: int = 0  # > 0: a context sample of every rank every this many steps (context-NNNNN.parquet)
+    first_rank: int = 0  # internal: the first rank of a block of a large job, and the job's ranks
+    job_ranks: int = 0
 
 
 @dataclass
@@ -201,6 +221,7 @@ def _simulate(cfg: SimConfig, job: JobSteps | None, load: np.ndarray | None) -> 
     out["other_s"] += spikes * (cfg.spike_mag * base)
     _realistic_noise(cfg, out, spikes, base)
     _heldout_noise(cfg, out)
+    _by_design(cfg, out, base)
     for inj in cfg.injections:
         if not 0 <= inj.rank < cfg.ranks:
             raise ValueError(f"straggler rank {inj.rank} outside 0..{cfg.ranks - 1}")
@@ -419,6 +440,37 @@ def _heldout_noise(cfg: SimConfig, out: dict[str, np.ndarray]) -> None:
         out[col] *= factor
 
 
+def duty_ranks(cfg: SimConfig) -> np.ndarray:
+    """The job's ranks that carry ``duty_ms``: rank 0, or every host's first rank."""
+    ranks = cfg.job_ranks or cfg.ranks
+    if cfg.duty_ranks == "local0":
+        return np.arange(0, ranks, max(1, cfg.ranks_per_host))
+    if cfg.duty_ranks != "rank0":
+        raise ValueError(f"duty ranks {cfg.duty_ranks!r}: 'rank0' or 'local0'")
+    return np.zeros(1, dtype=np.int64)
+
+
+def _by_design(cfg: SimConfig, out: dict[str, np.ndarray], base: float) -> None:
+    """Ranks busier by design (a duty of rank 0, stages of unequal work), in place; the duty's jitter from
+    a generator of its own."""
+    if not (cfg.duty_ms or cfg.group_skew):
+        return
+    steps, ranks = out["other_s"].shape
+    mine = np.arange(cfg.first_rank, cfg.first_rank + ranks)
+    if cfg.group_skew and cfg.groups > 1:
+        group = mine * cfg.groups // (cfg.job_ranks or cfg.ranks)
+        factor = 1.0 + cfg.group_skew * group / (cfg.groups - 1)
+        for col in PHASE_SHARES:
+            out[col] *= factor[None, :]
+    if cfg.duty_ms:
+        if cfg.duty_phase not in PHASE_SHARES:
+            raise ValueError(f"duty phase {cfg.duty_phase!r}: one of {', '.join(PHASE_SHARES)}")
+        cols = np.flatnonzero(np.isin(mine, duty_ranks(cfg)))
+        rng = np.random.default_rng([cfg.seed, 5])
+        jitter = np.exp(cfg.noise * rng.standard_normal((steps, len(cols))))
+        out[cfg.duty_phase][:, cols] += cfg.duty_ms / 1000.0 * jitter
+
+
 def _realistic_noise(cfg: SimConfig, out: dict[str, np.ndarray], spikes: np.ndarray, base: float) -> None:
     """The noise of real clusters that independent jitter lacks (the fields of SimConfig after
     ``groups``), applied in place; a generator of its own keeps the base simulation unchanged."""
@@ -513,7 +565,7 @@ def _block_config(cfg: SimConfig, lo: int, size: int) -> SimConfig:
     parts = [p for i in cfg.injections for p in (i.expand(cfg.steps) if not i.plain() else [i])]
     injections = [replace(i, rank=i.rank - lo) for i in parts if lo <= i.rank < lo + size]
     return replace(cfg, ranks=size, seed=cfg.seed * 1_000_003 + lo + 1, injections=injections,
-                   heavy_rank=cfg.heavy_rank - lo)  # fmt: skip
+                   heavy_rank=cfg.heavy_rank - lo, first_rank=lo, job_ranks=cfg.ranks)  # fmt: skip
 
 
 def _job_steps(cfg: SimConfig, blocks: dict[int, int]) -> JobSteps:
@@ -533,19 +585,22 @@ def _job_steps(cfg: SimConfig, blocks: dict[int, int]) -> JobSteps:
     return job
 
 
-def rank_table(arrays: dict[str, np.ndarray], rank: int, column: int, start_time: np.ndarray) -> pa.Table:
-    """Rank ``rank``'s step log (a ``STEP_SCHEMA`` table) from column ``column`` of simulated arrays."""
+def rank_table(arrays: dict[str, np.ndarray], rank: int, column: int, start_time: np.ndarray, restart_at: int = 0
+               ) -> pa.Table:  # fmt: skip
+    """Rank ``rank``'s step log (a ``STEP_SCHEMA`` table) from column ``column`` of simulated arrays; with
+    ``restart_at``, the steps from it are restart 1's, numbered from 0."""
     n = len(start_time)
+    later = np.arange(n) >= restart_at if restart_at > 0 else np.zeros(n, dtype=bool)
     empty_lists = {
         name: pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, dtype=np.int32)), pa.array([], type=typ.value_type))
         for name, typ in ((f.name, f.type) for f in STEP_SCHEMA if pa.types.is_list(f.type))
     }
     columns = {
         "rank": pa.array(np.full(n, rank, dtype=np.int32)),
-        "step": pa.array(np.arange(n, dtype=np.int64)),
+        "step": pa.array(np.arange(n, dtype=np.int64) - np.where(later, restart_at, 0)),
         "start_time": pa.array(start_time),
         "micro_batches": pa.array(np.ones(n, dtype=np.int32)),
-        "restart": pa.array(np.zeros(n, dtype=np.int32)),
+        "restart": pa.array(later.astype(np.int32)),
         "attach": pa.array(np.zeros(n, dtype=np.int32)),
         "timing": pa.repeat(pa.scalar("host"), n),
         **empty_lists,
@@ -562,7 +617,11 @@ def rank_table(arrays: dict[str, np.ndarray], rank: int, column: int, start_time
 
 #: Options added for held-out evaluation: left out of run.json while at their defaults (as before them).
 _HELDOUT_SIM = {"bimodal_prob": 0.0, "bimodal_mag": 0.3, "bimodal_hold": 1, "host_drift": 0.0, "host_drift_steps": 3000}
-_HELDOUT_INJ = {"mix": None, "period": 0, "duty": 0, "moves": (), "move_every": 0}
+_HELDOUT_INJ = {"mix": None, "period": 0, "duty": 0, "moves": (), "move_every": 0, "evidence": ""}
+#: Options of ranks that differ by design, restarts and context: left out of run.json at their defaults.
+_DESIGN_SIM = {"duty_ms": 0.0, "duty_ranks": "rank0", "duty_phase": "data_wait_s", "duty_evidence": "",
+               "group_skew": 0.0, "roles": True, "restart_at": 0, "restart_move": 0, "context_every": 0,
+               "first_rank": 0, "job_ranks": 0}  # fmt: skip
 #: The imbalance model's options: left out of run.json while it is off.
 _IMBALANCE_FIELDS = ("tokens", "token_cv", "token_seqs", "token_mode", "heavy_rank", "heavy_share", "token_share",
                      "attn_share")  # fmt: skip
@@ -574,7 +633,7 @@ def _as_recorded(cfg: SimConfig) -> dict:
     def trim(d: dict, defaults: dict) -> dict:
         return {k: v for k, v in d.items() if k not in defaults or v != defaults[k]}
 
-    sim = trim(asdict(cfg), _HELDOUT_SIM)
+    sim = trim(trim(asdict(cfg), _HELDOUT_SIM), _DESIGN_SIM)
     if not cfg.tokens:
         sim = {k: v for k, v in sim.items() if k not in _IMBALANCE_FIELDS}
     sim["injections"] = [trim(i, _HELDOUT_INJ) for i in sim["injections"]]
@@ -605,15 +664,85 @@ def write_run(out_dir: str | Path, cfg: SimConfig, progress: Callable[[int, int]
         if job is not None and rank in blocks:
             arrays = simulate_arrays(_block_config(cfg, rank, blocks[rank]), job)
         column = rank - (max(b for b in blocks if b <= rank) if job is not None else 0)
-        info = RunInfo(run_id, out, rank, rank % 8, cfg.ranks, f"sim-node-{rank // 8:04d}")
+        info = RunInfo(run_id, out, rank, rank % 8, cfg.ranks, sim_host(cfg, rank, 0))
         meta = {k: v for k, v in asdict(info).items() if k != "run_dir"}
-        if cfg.groups > 1:
+        if cfg.restart_at > 0:  # the later attempt's identity, and where each attempt ran (``rundir``)
+            meta["attempts"] = [{"restart": a, "attach": 0, "host": sim_host(cfg, rank, a), "local_rank": rank % 8}
+                                for a in (0, 1)]  # fmt: skip
+            meta.update(restart=1, host=sim_host(cfg, rank, 1))
+        if cfg.groups > 1 and cfg.roles:
             meta["role"] = f"group{rank * cfg.groups // cfg.ranks}"
         write_json_atomic(out / f"rank-{rank:05d}.json", {**meta, "device": "sim", "timing": "host"})
-        pq.write_table(rank_table(arrays, rank, column, start_time), out / f"rank-{rank:05d}.parquet")  # type: ignore[arg-type]
+        table = rank_table(arrays, rank, column, start_time, cfg.restart_at)  # type: ignore[arg-type]
+        pq.write_table(table, out / f"rank-{rank:05d}.parquet")
+        if cfg.context_every > 0:
+            write_context(out, cfg, rank, start_time, step)
         if progress:
             progress(rank + 1, cfg.ranks)
     return out
+
+
+def sim_host(cfg: SimConfig, rank: int, attempt: int) -> str:
+    """The host rank ``rank`` runs on in ``attempt`` (0, or 1 after ``restart_at``)."""
+    moved = rank + (cfg.restart_move * cfg.ranks_per_host if attempt else 0)
+    return f"sim-node-{moved % cfg.ranks // max(1, cfg.ranks_per_host):04d}"
+
+
+#: What an injection's ``evidence`` shows in its context while it is slow: column -> value (``*``: times the
+#: healthy value; ``|``: bits set); the signals ``explain`` names from them. ``io`` is its whole host's.
+EVIDENCE = {
+    "sm_clock": {"sm_clock_mhz": "*0.72"},
+    "thermal": {"sm_clock_mhz": "*0.8", "clock_reasons": "|64", "temperature_c": "*1.4"},
+    "steal": {"steal": 0.25},
+    "io": {"io_pressure": 0.45},
+}
+#: A healthy rank's context: the value and its relative jitter.
+_HEALTHY_CONTEXT = {
+    "cpu_pressure": (0.02, 0.3), "memory_pressure": (0.0, 0.0), "io_pressure": (0.01, 0.3), "load1": (24.0, 0.05),
+    "steal": (0.0, 0.0), "cores_busy": (0.5, 0.05), "run_delay": (0.01, 0.2), "invol_switches": (20.0, 0.2),
+    "cpu_time": (1.0, 0.05), "workers_cpu_time": (0.5, 0.1), "workers_invol_switches": (30.0, 0.2),
+    "swap_used_bytes": (0.0, 0.0), "mem_available_bytes": (1e11, 0.01), "sm_clock_mhz": (1980.0, 0.005),
+    "sm_clock_max_mhz": (1980.0, 0.0), "temperature_c": (60.0, 0.03), "power_w": (500.0, 0.05),
+    "power_limit_w": (700.0, 0.0), "gpu_util": (0.95, 0.02), "ecc_uncorrected": (0.0, 0.0),
+    "ecc_corrected": (0.0, 0.0), "pcie_replays": (0.0, 0.0), "nvlink_errors": (0.0, 0.0),
+}  # fmt: skip
+
+
+def write_context(out: Path, cfg: SimConfig, rank: int, start_time: np.ndarray, step_s: np.ndarray) -> None:
+    """Rank ``rank``'s context samples (``context-NNNNN.parquet``), one every ``context_every`` steps: healthy
+    values with a little jitter, and what the evidence of an injection (or of the duty) on it or on its host
+    shows while it holds."""
+    from stragglerwatch.record.context import CONTEXT_SCHEMA, EMPTY
+
+    rows = np.arange(cfg.context_every - 1, cfg.steps, cfg.context_every)
+    times = start_time[rows] + step_s[rows]
+    rng = np.random.default_rng([cfg.seed, 6, rank])
+    n = len(rows)
+    cols: dict[str, np.ndarray] = {k: v * np.exp(j * rng.standard_normal(n)) for k, (v, j) in _HEALTHY_CONTEXT.items()}
+    cols["clock_reasons"] = np.zeros(n, dtype=np.int64)
+    host = sim_host(cfg, rank, 0)
+    found: list[tuple[str, np.ndarray]] = []
+    for inj in (p for i in cfg.injections for p in i.expand(cfg.steps)):
+        whose = inj.rank == rank or (inj.evidence == "io" and sim_host(cfg, inj.rank, 0) == host)
+        if inj.evidence and whose:
+            found.append((inj.evidence, inj.active(cfg.steps)[rows]))
+    if cfg.duty_evidence and rank in duty_ranks(cfg).tolist():
+        found.append((cfg.duty_evidence, np.ones(n, dtype=bool)))
+    for name, on in found:
+        for col, value in EVIDENCE[name].items():
+            if isinstance(value, str) and value[0] == "*":
+                cols[col] = np.where(on, cols[col] * float(value[1:]), cols[col])
+            elif isinstance(value, str):
+                cols[col] = np.where(on, cols[col] | int(value[1:]), cols[col])
+            else:
+                cols[col] = np.where(on, value, cols[col])
+    data = {"rank": np.full(n, rank, dtype=np.int32), "time": times, "interval_s": np.diff(times, prepend=times[0]),
+            "sample_s": np.full(n, 2e-4), "cpus": np.full(n, 64, dtype=np.int32), "affinity": [""] * n,
+            "affinity_cpus": np.full(n, 8, dtype=np.int32), "workers": np.full(n, 2, dtype=np.int32),
+            "gpu": np.full(n, rank % 8, dtype=np.int32), "gpu_uuid": [f"GPU-sim-{rank}"] * n, **cols}  # fmt: skip
+    arrays = [pa.array(data[f.name], type=f.type) if f.name in data else pa.array([EMPTY[f.name]] * n, type=f.type)
+              for f in CONTEXT_SCHEMA]  # fmt: skip
+    pq.write_table(pa.Table.from_arrays(arrays, schema=CONTEXT_SCHEMA), out / f"context-{rank:05d}.parquet")
 
 
 class GrowingRun:

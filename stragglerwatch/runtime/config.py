@@ -32,6 +32,7 @@ ENV = {
     "code_sample_hz": "STRAGGLERWATCH_CODE_SAMPLE_HZ",
     "on_hang": "STRAGGLERWATCH_ON_HANG",
     "hang_abort_s": "STRAGGLERWATCH_HANG_ABORT_S",
+    "hang_silent_s": "STRAGGLERWATCH_HANG_SILENT_S",
     "on_straggler": "STRAGGLERWATCH_ON_STRAGGLER",
     "straggler_after_s": "STRAGGLERWATCH_STRAGGLER_AFTER_S",
     "exclude_file": "STRAGGLERWATCH_EXCLUDE_FILE",
@@ -79,11 +80,11 @@ def _env_policies(from_env: dict[str, Any], problems: Problems | None) -> None:
         from_env["on_straggler"] = from_env["on_straggler"].lower()
         if from_env["on_straggler"] != EXCLUDE:
             drop("on_straggler", f"is not {EXCLUDE!r} (a callable is given to attach()): no straggler action")
-    for name in ("hang_abort_s", "straggler_after_s"):
+    for name in ("hang_abort_s", "hang_silent_s", "straggler_after_s"):
         if name in from_env:
             try:
                 from_env[name] = float(from_env[name])
-                if not (from_env[name] > 0 if name == "hang_abort_s" else from_env[name] >= 0):
+                if not (from_env[name] > 0 if name.startswith("hang_") else from_env[name] >= 0):
                     raise ValueError
             except ValueError:
                 drop(name, "is not a number of seconds: the default is used")
@@ -196,21 +197,39 @@ class Config:
     on_hang: str | None = None
     """What a confirmed hang does (``$STRAGGLERWATCH_ON_HANG``): ``"record"`` (the default: the events,
     stacks and Flight Recorder dump) or ``"abort"``: a rank still stalled half of ``hang_abort_s`` after
-    its diagnosis aborts its process groups, lets its SIGTERM handler run where the main thread can run
-    it, and exits with status 75 (``HANG_EXIT_STATUS``) by ``hang_abort_s``, so that ``torchrun
-    --max-restarts`` or the scheduler restarts the job from its last checkpoint before the collective
-    timeout (the Policies page)."""
+    its diagnosis, while the culprit it waits for has made no progress (CPU time, I/O, Python running,
+    collectives, GPU) for as long, ends: on gloo it aborts its process groups, lets its SIGTERM handler
+    run where the main thread can run it, and exits with status 75 (``HANG_EXIT_STATUS``) by
+    ``hang_abort_s``; on NCCL it exits with status 75 at once, running no application code (its state
+    may be corrupted; see ``hang_handler``). ``torchrun --max-restarts`` or the scheduler then restarts
+    the job from its last checkpoint before the collective timeout (the Policies page)."""
 
     hang_abort_s: float | None = None
-    """With ``on_hang="abort"``: the most seconds from a rank's diagnosis to its exit
-    (``$STRAGGLERWATCH_HANG_ABORT_S``). A stall that ends in the first half is left alone; the second
-    half is for the SIGTERM handler. Default: twice the watchdog's threshold at the stall."""
+    """With ``on_hang="abort"``: the most seconds from a rank's diagnosis (or, where its culprit was busy,
+    its decision) to its exit (``$STRAGGLERWATCH_HANG_ABORT_S``). The first half is waited for (a culprit
+    busy or silent is waited for longer), the second half is for the SIGTERM handler. Default: twice the
+    watchdog's threshold at the stall. Only a bound chosen here arms faulthandler's exit for a rank
+    holding the GIL in native code (at the watchdog's threshold + 2 s + this bound)."""
+
+    hang_silent_s: float = 300.0
+    """With ``on_hang="abort"``: how long a culprit that leaves no note (its watchdog cannot run: dead, or
+    holding the GIL in native code, as a large pickle does) must have been silent before the others act,
+    where its process cannot be read from their host (``$STRAGGLERWATCH_HANG_SILENT_S``)."""
+
+    hang_handler: Any = None
+    """With ``on_hang="abort"``: a callable run on the watchdog thread before the rank ends, bounded by
+    ``hang_abort_s``, and told a dict (``rank``, ``stall_id``, ``culprit_ranks``, ``victim_ranks``,
+    ``step``, ``phase``, ``backend``, ``state_suspect``). On NCCL it is the only application code that runs:
+    ``state_suspect`` is True there (queued kernels may have run on half-reduced buffers: save nothing
+    you will resume from). Default: none."""
 
     on_straggler: Any = None
     """What rank 0 does when a rank stays flagged as a straggler (``$STRAGGLERWATCH_ON_STRAGGLER``):
     ``"exclude"`` (write its host into ``exclude_file``), a callable that receives the verdict (a dict:
-    rank, host, cause, since, flagged_s, slowdown, lost_seconds, hints, ...), or a list of these.
-    Once per episode, never for load imbalance or a cause not in ``straggler_causes``. Default: none."""
+    rank, host, cause, since, flagged_s, slowdown, lost_seconds, hints, host_evidence, exclude,
+    not_excluded, ...), or a list of these. Once per episode, never for load imbalance, a cause not in
+    ``straggler_causes`` or a rank busier by design (rank 0's duties, an unlabelled pipeline stage); the
+    ``"exclude"`` action only with the evidence of ``exclude_needs_evidence``. Default: none."""
 
     straggler_after_s: float | None = None
     """How long (seconds of the job's steps) a rank must have been flagged, and still be, before
@@ -232,8 +251,22 @@ class Config:
     and beside it ``<file>.slurm``, the same hosts as one Slurm hostlist (``--exclude``). Default:
     ``excluded-hosts.txt`` in the run dir."""
 
+    exclude_needs_evidence: bool = True
+    """``on_straggler="exclude"`` acts only on a cause a node change can fix, with a signal of that node
+    behind it: ``compute`` or ``optimizer`` with its GPU's (clock, throttling, errors) or its host's CPU
+    contention, ``data`` with its host's I/O pressure or its loader's CPUs or memory taken, never
+    ``other``. ``False``: every cause but ``other`` of ``straggler_causes``, with or without evidence."""
+
+    exclude_expire_s: float | None = 3 * 86400.0
+    """How long a host stays in ``exclude_file``: a line added longer ago is dropped when the file is next
+    written (and when rank 0's policy starts). ``None``: never. Default three days."""
+
+    straggler_window_steps: int = 2000
+    """The steps of every rank the analysis behind ``on_straggler`` keeps (in a process of its own, about
+    100 bytes a rank a step); an episode longer than that is followed from window to window."""
+
     policy_interval_s: float = 30.0
-    """How often rank 0 analyses the run dir for ``on_straggler`` (on a thread of its own)."""
+    """How often rank 0 analyses the run dir for ``on_straggler`` (in a child process of lower priority)."""
 
     enabled: bool = True
     """``False`` (or ``$STRAGGLERWATCH_DISABLE=1``) makes ``attach`` a no-op returning an inert handle."""
@@ -326,6 +359,10 @@ class Config:
             raise ConfigError(f"on_hang must be 'record' or 'abort', not {self.on_hang!r}")
         if self.hang_abort_s is not None and not self.hang_abort_s > 0:
             raise ConfigError(f"hang_abort_s must be > 0 (seconds from diagnosis to exit), not {self.hang_abort_s}")
+        if not self.hang_silent_s > 0:
+            raise ConfigError(f"hang_silent_s must be > 0 (seconds), not {self.hang_silent_s}")
+        if self.hang_handler is not None and not callable(self.hang_handler):
+            raise ConfigError(f"hang_handler must be a callable that takes a dict, not {self.hang_handler!r}")
         if self.on_hang == "abort" and self.watchdog_timeout_s == 0:
             raise ConfigError("on_hang='abort' needs the watchdog, which watchdog_timeout_s=0 turns off")
         for action in self.straggler_actions():
@@ -341,12 +378,18 @@ class Config:
                               f"not {self.straggler_causes!r}")
         if not self.policy_interval_s >= 0.5:
             raise ConfigError(f"policy_interval_s must be >= 0.5, not {self.policy_interval_s}")
+        if not isinstance(self.exclude_needs_evidence, bool):
+            raise ConfigError(f"exclude_needs_evidence is True or False, not {self.exclude_needs_evidence!r}")
+        if self.exclude_expire_s is not None and not self.exclude_expire_s > 0:
+            raise ConfigError(f"exclude_expire_s must be > 0 seconds (or None: never), not {self.exclude_expire_s}")
+        if not (isinstance(self.straggler_window_steps, int) and self.straggler_window_steps >= 256):
+            raise ConfigError(f"straggler_window_steps must be an integer >= 256, not {self.straggler_window_steps!r}")
 
     def act_rule(self) -> ActRule:
         """The rule ``on_straggler`` acts by."""
         after = ActRule.after_s if self.straggler_after_s is None else float(self.straggler_after_s)
         return ActRule(after, float(self.straggler_min_slowdown), int(self.straggler_min_steps),
-                       tuple(self.straggler_causes))  # fmt: skip
+                       tuple(self.straggler_causes), bool(self.exclude_needs_evidence))  # fmt: skip
 
     def straggler_actions(self) -> list[Any]:
         """``on_straggler`` as a list of actions (empty: none)."""

@@ -149,6 +149,7 @@ class Watch:
             "capture_gate_timeouts": self._gate.waited_out if self._gate else 0,
             "capture_dropped_steps": w.capture_dropped_steps if w else 0,
             "stale_dropped_steps": w.stale_dropped_steps if w else 0,
+            "unresolvable_dropped_steps": w.unresolvable_dropped_steps if w else 0,
             "unresolved_steps": len(w.unresolved) if w else 0,
             "dropped_marks": p.dropped_marks if p is not None else 0,
             "write_errors": (w.write_errors if w else 0) + (wd.events.errors if wd else 0),
@@ -594,6 +595,7 @@ def _start_hangs(watch: Watch, cfg: Config, probe: StepProbe) -> None:
             fr_path=info.run_dir / f"flightrec-{info.rank:05d}.pkl",
             device=_device_reader(probe, gate) if gate is not None else None,
             abort=_hang_abort(watch, cfg) if cfg.on_hang == "abort" else None,
+            replays=(lambda: gate.replays) if gate is not None else None, silent_s=cfg.hang_silent_s,
         )  # fmt: skip
     caveat = restart_caveat(os.environ) if cfg.on_hang == "abort" else None
     if caveat is not None and info.local_rank == 0:
@@ -603,6 +605,7 @@ def _start_hangs(watch: Watch, cfg: Config, probe: StepProbe) -> None:
             info.run_dir, cfg.act_rule(), cfg.straggler_actions(), watch._events, info.world_size,
             exclude_file=Path(cfg.exclude_file) if cfg.exclude_file else None, interval_s=cfg.policy_interval_s,
             problems=problems, ids={"restart": info.restart, "attach": info.attach},
+            window_steps=cfg.straggler_window_steps, expire_s=cfg.exclude_expire_s,
         )  # fmt: skip
 
 
@@ -682,7 +685,7 @@ def _hang_abort(watch: Watch, cfg: Config) -> Callable[[Watchdog], HangAbort]:
         return watch._shutdown.terminate() if watch._shutdown is not None else "none (our handler is not installed)"
 
     def make(watchdog: Watchdog) -> HangAbort:
-        return HangAbort(cfg.hang_abort_s, terminate, watchdog._stop)
+        return HangAbort(cfg.hang_abort_s, terminate, watchdog._stop, handler=cfg.hang_handler)
 
     return make
 

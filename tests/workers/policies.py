@@ -12,7 +12,10 @@ attached; what the test checks goes into OUT_DIR:
   writes ``ckpt-<restart>-<rank>`` and calls ``sys.exit(0)``;
 - ``recover``: rank 1 pauses ``--pause`` seconds at step ``--hang-step``, then goes on;
 - ``straggler``: rank ``--slow-rank`` (none: -1) sleeps ``--slowdown`` seconds in every forward from step
-  10; rank 0's ``on_straggler`` action appends each verdict to ``verdicts.jsonl``.
+  10 (``--contend``: instead, each rank pinned to a CPU of its own, busy processes pinned to its CPU from
+  step 10 take most of it); ``--log-rank0 S``: rank 0 writes a metrics line to ``metrics.jsonl`` after
+  every optimizer step, a duty of S seconds; rank 0's ``on_straggler`` action appends each verdict to
+  ``verdicts.jsonl``.
 
 Settings of the policies come from the environment (``STRAGGLERWATCH_ON_HANG`` and the others).
 """
@@ -24,6 +27,7 @@ import ctypes
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -49,10 +53,27 @@ def parse() -> argparse.Namespace:
     p.add_argument("--pause", type=float, default=3.0)
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slowdown", type=float, default=0.02)
+    p.add_argument("--contend", action="store_true", help="slow the slow rank by CPU contention, not a sleep")
+    p.add_argument("--hidden", type=int, default=64, help="the model's hidden width (more compute per step)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--log-rank0", type=float, default=0.0, help="seconds rank 0 spends logging after each step")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps on every rank")
     p.add_argument("--pg-timeout", type=float, default=600.0, help="the process group's collective timeout (s)")
     p.add_argument("--watchdog", type=float, default=2.0, help="watchdog_timeout_s (-1: the adaptive default)")
     return p.parse_args()
+
+
+#: A busy process: a Python loop that spins until killed, 120 s at most.
+SPIN = "import time\nend = time.monotonic() + 120\nwhile time.monotonic() < end:\n    sum(range(10000))\n"
+
+
+def contend(cpu: int, n: int = 4) -> list[subprocess.Popen]:
+    """``n`` busy processes pinned to ``cpu``, each in a session of its own (where the kernel groups a
+    session's tasks for scheduling, a CPU is shared between sessions: the rank gets a fifth of its CPU)."""
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN], start_new_session=True) for _ in range(n)]
+    for spinner in spinners:
+        os.sched_setaffinity(spinner.pid, {cpu})
+    return spinners
 
 
 class Slow(nn.Module):
@@ -75,9 +96,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
     rank = dist.get_rank()
+    cpus = sorted(os.sched_getaffinity(0)) if args.contend else []
+    if args.contend:  # each rank on a CPU of its own, as a real job binds its ranks
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     slow = Slow()
-    model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), slow, nn.Linear(64, 4)))
+    width = args.hidden
+    model = DDP(nn.Sequential(nn.Linear(32, width), nn.ReLU(), slow, nn.Linear(width, width), nn.ReLU(),
+                              nn.Linear(width, 4)))  # fmt: skip
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def checkpoint(signum: int, frame: object) -> None:
@@ -98,8 +124,10 @@ def main() -> None:
                                   flush_interval_s=0.2, **extra)  # fmt: skip
     if args.handler == "after":
         signal.signal(signal.SIGTERM, checkpoint)
-    if args.mode == "straggler" and rank == args.slow_rank:
+    if args.mode == "straggler" and rank == args.slow_rank and not args.contend:
         slow.delay = args.slowdown
+    spinners: list[subprocess.Popen] = []
+    metrics = (args.out / "metrics.jsonl").open("a") if args.log_rank0 and rank == 0 else None
 
     def fetch(step: int) -> torch.Tensor:
         stuck_here = args.mode == "hang" and restart == 0 and rank == args.culprit and step == args.hang_step
@@ -111,18 +139,31 @@ def main() -> None:
                 time.sleep(1.0)  # stopped making progress, in Python: its SIGTERM handler can run
         if args.mode == "recover" and rank == 1 and step == args.hang_step:
             time.sleep(args.pause)
-        return torch.randn(16, 32)
+        return torch.randn(args.batch, 32)
 
     get = watch.data(fetch) if args.stuck == "data" else fetch
-    for step in range(args.steps):
-        x = get(step)
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        if step == 0:
-            (args.out / f"first-{restart}-{rank}").write_text(repr(time.time()))
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
+    try:
+        for step in range(args.steps):
+            if args.contend and rank == args.slow_rank and step == 10:
+                spinners = contend(cpus[rank % len(cpus)])
+            x = get(step)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if metrics is not None:  # rank 0's logging duty: a metrics line every step
+                t0 = time.perf_counter()
+                metrics.write(json.dumps({"step": step, "loss": loss.item(), "time": time.time()}) + "\n")
+                metrics.flush()
+                time.sleep(max(0.0, args.log_rank0 - (time.perf_counter() - t0)))
+            if step == 0:
+                (args.out / f"first-{restart}-{rank}").write_text(repr(time.time()))
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait(timeout=30)
     watch.close()
     (args.out / f"done-{restart}-{rank}").write_text(json.dumps(watch.stats()["actions"]))
     dist.barrier()

@@ -4,7 +4,8 @@ Design: :class:`HostSampler` reads a handful of small ``/proc`` files (about 10 
 the cumulative counters among them into rates over the time since its previous sample:
 
 - machine: CPU pressure (``/proc/pressure/cpu``, "some avg10"), memory pressure
-  (``/proc/pressure/memory``), load average, swap in use, available memory;
+  (``/proc/pressure/memory``), I/O pressure (``/proc/pressure/io``: some task waited for storage),
+  load average, swap in use, available memory;
 - the rank's CPUs (its affinity): steal time and how busy they were (``/proc/stat``);
 - the rank's training (main) thread: involuntary context switches per second (``status``) and
   the share of time it waited, runnable, for a CPU (``schedstat``: the run queue delay);
@@ -152,6 +153,7 @@ class HostSampler:
         row: dict[str, Any] = dict.fromkeys(RATE_FIELDS, NAN)
         cpu_p = self._parse("pressure/cpu", _pressure)
         mem_p = self._parse("pressure/memory", _pressure)
+        io_p = self._parse("pressure/io", _pressure)
         load = self._parse("loadavg", lambda t: float(t.split()[0]))
         mem = self._parse("meminfo", _meminfo) or {}
         status_text = self._read(f"{me}/status")
@@ -159,7 +161,7 @@ class HostSampler:
         affinity = self._parse(f"{me}/status", lambda t: cpu_list(status["Cpus_allowed_list"]), status_text)
         cpus = self._parse("stat", _cpu_lines)
         row.update(
-            cpu_pressure=_nan(cpu_p), memory_pressure=_nan(mem_p), load1=_nan(load),
+            cpu_pressure=_nan(cpu_p), memory_pressure=_nan(mem_p), io_pressure=_nan(io_p), load1=_nan(load),
             cpus=len(cpus) if cpus else (os.cpu_count() or 0),
             affinity=cpu_list_text(affinity) if affinity else "", affinity_cpus=len(affinity) if affinity else 0,
             swap_used_bytes=mem["SwapTotal"] - mem["SwapFree"] if "SwapFree" in mem else NAN,
@@ -255,7 +257,7 @@ def _int(text: str | None) -> int | None:
 def _psutil_sample(pid: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """Without ``/proc`` (not Linux): what psutil gives (process CPU and switches, children, load, swap)."""
     row: dict[str, Any] = dict.fromkeys(RATE_FIELDS, NAN)
-    row.update(cpu_pressure=NAN, memory_pressure=NAN, load1=NAN, cpus=os.cpu_count() or 0, affinity="",
+    row.update(cpu_pressure=NAN, memory_pressure=NAN, io_pressure=NAN, load1=NAN, cpus=os.cpu_count() or 0, affinity="",
                affinity_cpus=0, swap_used_bytes=NAN, mem_available_bytes=NAN, workers=0)  # fmt: skip
     counters: dict[str, Any] = {}
     try:
