@@ -20,9 +20,10 @@ and detection moves on from where it was instead of starting over.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,6 +89,19 @@ class _File:
     mtime: int = -1
     schema: pa.Schema | None = None  # an Arrow stream's, and where its next batch starts
     offset: int = 0
+
+
+def changed(files: Iterable[Path], seen: dict[str, _File]) -> Iterator[tuple[Path, _File, os.stat_result]]:
+    """The files among ``files`` whose size or modification time differ from what ``seen`` recorded, with
+    their state there (the caller reads them, then records ``size`` and ``mtime``)."""
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        state = seen.setdefault(f.stem, _File())
+        if (st.st_size, st.st_mtime_ns) != (state.size, state.mtime):
+            yield f, state, st
 
 
 @dataclass
@@ -205,14 +219,7 @@ class LiveRun:
         except Exception:  # noqa: BLE001 - not a run dir yet: nothing to read
             return None
         tables = []
-        for f in files:
-            try:
-                st = f.stat()
-            except OSError:
-                continue
-            state = self.files.setdefault(f.stem, _File())
-            if (st.st_size, st.st_mtime_ns) == (state.size, state.mtime):
-                continue
+        for f, state, st in changed(files, self.files):
             if f.suffix == ".arrows" and st.st_size < state.size:
                 raise _Restart
             table = self._read(f, state)

@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stragglerwatch.analysis.detect import StepMatrix, detect
-from stragglerwatch.analysis.live import _File, read_new
+from stragglerwatch.analysis.live import _File, changed, read_new
 from stragglerwatch.analysis.policy import START_SKIP, START_STEPS, start_profile, view
 from stragglerwatch.analysis.report import RankFigures, analyze_run, arrival_check, build_report, step_times
 from stragglerwatch.analysis.reportschema import Attempt
@@ -138,14 +138,7 @@ class WindowRun:
         except Exception:  # noqa: BLE001 - not a run dir yet: nothing to read
             return False
         tables = []
-        for f in files:
-            try:
-                st = f.stat()
-            except OSError:
-                continue
-            state = self.files.setdefault(f.stem, _File())
-            if (st.st_size, st.st_mtime_ns) == (state.size, state.mtime):
-                continue
+        for f, state, st in changed(files, self.files):
             if f.suffix == ".arrows" and st.st_size < state.size:
                 raise _Reset
             if f.suffix == ".parquet":
@@ -257,14 +250,7 @@ class WindowRun:
     def _read_context(self, since: float) -> pd.DataFrame | None:
         """The context samples from ``since`` (Unix seconds) on, read incrementally."""
         tables = [self.context.filter(pc.greater_equal(self.context["time"], since))] if self.context else []
-        for f in context_files(self.run_dir):
-            try:
-                st = f.stat()
-            except OSError:
-                continue
-            state = self.ctx_files.setdefault(f.stem, _File())
-            if (st.st_size, st.st_mtime_ns) == (state.size, state.mtime):
-                continue
+        for f, state, st in changed(context_files(self.run_dir), self.ctx_files):
             table = read_file(f) if f.suffix == ".parquet" else read_new(f, state, schema_problem)
             state.size, state.mtime = st.st_size, st.st_mtime_ns
             table = as_schema(table, f) if table is not None and table.num_rows else None
