@@ -1,8 +1,9 @@
 """Healthy jobs with a long pause on one rank, for the hang policy's tests (gloo, started directly).
 
-Usage: pauses.py KIND OUT_DIR [options]. Every rank trains a small DDP model with stragglerwatch attached
-(the hang policy's settings from the environment). At step ``--at`` rank 0 pauses outside the model's hooks
-while the others wait for it in ``dist.barrier()``, as they do behind a rank-0 checkpoint:
+Usage: pauses.py KIND[,KIND...] OUT_DIR [options]. Every rank trains a small DDP model with stragglerwatch
+attached (the hang policy's settings from the environment). From step ``--at`` on, every ``--every`` steps,
+rank 0 pauses once for each KIND in turn, outside the model's hooks, while the others wait for it in
+``dist.barrier()``, as they do behind a rank-0 checkpoint:
 
 - ``checkpoint``: rank 0 saves a model state again and again for ``--seconds`` (CPU time and writes);
 - ``compile``: rank 0 compiles a function with ``torch.compile`` (a recompile, e.g. for an epoch's last
@@ -11,7 +12,8 @@ while the others wait for it in ``dist.barrier()``, as they do behind a rank-0 c
   (a regular expression that backtracks, standing in for a large pickle): no Python thread of the rank
   runs, its watchdog included.
 
-Each rank writes ``done-<rank>`` (its actions, JSON) at the end; rank 0 writes ``paused`` (seconds paused).
+Each rank writes ``done-<rank>`` (its actions, JSON) at the end; rank 0 writes ``paused-<kind>`` (JSON: the
+step it paused after, the seconds it paused).
 """
 
 from __future__ import annotations
@@ -62,13 +64,18 @@ def native_busy(seconds: float) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("kind", choices=("checkpoint", "compile", "native"))
+    p.add_argument("kinds", help="checkpoint, compile, native: one or more, comma-separated")
     p.add_argument("out", type=Path)
-    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--at", type=int, default=6)
+    p.add_argument("--every", type=int, default=3)
     p.add_argument("--seconds", type=float, default=12.0)
     p.add_argument("--watchdog", type=float, default=2.0, help="watchdog_timeout_s")
     args = p.parse_args()
+    kinds = args.kinds.split(",")
+    if not set(kinds) <= {"checkpoint", "compile", "native"}:
+        p.error(f"unknown kind in {args.kinds!r}")
+    at = {args.at + i * args.every: kind for i, kind in enumerate(kinds)}
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
@@ -81,16 +88,17 @@ def main() -> None:
         model(torch.randn(16, 32)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-        if step == args.at:
+        if step in at:
             if rank == 0:
                 t0 = time.perf_counter()
-                if args.kind == "checkpoint":
+                if at[step] == "checkpoint":
                     checkpoint(args.seconds, args.out)
-                elif args.kind == "compile":
+                elif at[step] == "compile":
                     compile_once()
                 else:
                     native_busy(args.seconds)
-                (args.out / "paused").write_text(repr(time.perf_counter() - t0))
+                took = time.perf_counter() - t0
+                (args.out / f"paused-{at[step]}").write_text(json.dumps({"step": step, "seconds": took}))
             dist.barrier()
     watch.close()
     (args.out / f"done-{rank}").write_text(json.dumps(watch.stats()["actions"]))
