@@ -131,6 +131,18 @@ def _children(pid: int | str) -> list[int]:
     return out
 
 
+#: A child process of ours (the straggler policy's analysis) runs ``python -m stragglerwatch...``.
+OWN_CHILD = b"\0-m\0stragglerwatch."
+
+
+def _ours(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return OWN_CHILD in f.read()
+    except OSError:
+        return False
+
+
 def process_work(root: str = _PROC, skip: set[int] | frozenset[int] = frozenset(), depth: int = 3,
                  cpu_of: set[int] | None = None) -> tuple[float, int | None, bool, bool] | None:  # fmt: skip
     """``(CPU seconds, I/O bytes, a thread in uninterruptible sleep, a thread running)`` of a process's
@@ -167,18 +179,6 @@ def process_work(root: str = _PROC, skip: set[int] | frozenset[int] = frozenset(
                 in_io = in_io or sub[2]
                 running = running or sub[3]
     return cpu, (io if io_known else None), in_io, running
-
-
-#: A child process of ours (the straggler policy's analysis) runs ``python -m stragglerwatch...``.
-OWN_CHILD = b"\0-m\0stragglerwatch."
-
-
-def _ours(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return OWN_CHILD in f.read()
-    except OSError:
-        return False
 
 
 def _fallback_cpu() -> float:
