@@ -162,6 +162,43 @@ def test_a_peer_on_this_host_is_read_from_its_process() -> None:
     assert peers.quiet_s(3, elsewhere, t1) is None  # not on this host: nothing inferred
 
 
+#: A process that holds the GIL in libc ``sleep`` while eight Python threads wait for it (they wake every few
+#: milliseconds: on a crowded host, often found runnable), with faulthandler dumping its stacks each second.
+HELD_GIL = """
+import ctypes, faulthandler, sys, threading, time
+def loop(period):
+    while True:
+        time.sleep(period)
+for period in (0.001,) * 8:
+    threading.Thread(target=loop, args=(period,), daemon=True).start()
+faulthandler.dump_traceback_later(1.0, repeat=True, file=sys.stderr)
+time.sleep(0.5)
+print("holding", flush=True)
+ctypes.PyDLL(None).sleep(10)
+"""
+
+
+@linux
+def test_a_peer_holding_the_gil_on_a_crowded_host_is_quiet() -> None:
+    """Its threads waiting for the GIL are runnable now and then, and get a clock tick now and then: no work.
+    Two busy processes per core crowd the host, as a loaded CI machine or an oversubscribed node does."""
+    crowd = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    held = subprocess.Popen([sys.executable, "-c", HELD_GIL], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)  # fmt: skip
+    try:
+        assert held.stdout is not None and held.stdout.readline().strip() == "holding"
+        peers, t0 = PeerProcesses(), time.perf_counter()
+        quiet = []
+        for _ in range(6):
+            quiet.append(peers.quiet_s(1, identity(held.pid), time.perf_counter()))
+            time.sleep(1.0)
+    finally:
+        for p in (*crowd, held):
+            p.kill()
+            p.wait(timeout=30)
+    assert quiet[-1] is not None and quiet[-1] >= 0.9 * (time.perf_counter() - t0 - 1.5), quiet
+
+
 def test_progress_counts_quiet_time_from_the_stall_or_the_last_work() -> None:
     p = Progress(since=10.0)
     assert p.quiet_s(15.0) == 5.0

@@ -314,16 +314,17 @@ def _stall_and_diagnosis(rank: int, step: int, phase: str, since: float, at: flo
 def test_a_hold_in_native_code_shows_its_own_dump_not_an_earlier_ones() -> None:
     """Rank 1 of 2 holds the GIL for 8 s before step 10 (faulthandler dumps it; its watchdog cannot run).
     A few seconds earlier, on a loaded machine, it had been held up 5 s at step 2 already (a first
-    dump, deep in a forward): rank 0 stalled at step 2, recovered, stalled again at step 10, and both
-    stalls are one cluster. The verdict speaks of the later one: so must the stacks (the dump of the
-    hold at step 10, not the first dump collected after the cluster began)."""
+    dump, deep in a forward): rank 0 stalled at step 2, recovered, stalled again at step 10. Those are two
+    hangs, each with its own dump. Where the record lacks the first stall's recovery, both stalls are one
+    cluster: the verdict speaks of the later one, and so must the stacks (the dump of the hold at step 10,
+    not the first dump collected after the cluster began)."""
     from stragglerwatch.presentation.render import main_stack
 
     events = _stall_and_diagnosis(0, 2, W, 98.0, 100.0, 15)
     events += [{"kind": "native_stacks", "rank": 1, "step": 2, "phase": "forward", "since": 97.9,
-                "detected_at": 102.8, "stacks": {"faulthandler": _dump(101.9, *EARLIER)}},
-               {"kind": "recovery", "rank": 0, "step": 10, "phase": "collective_wait", "stall_id": "0-2-98",
-                "detected_at": 103.0}]  # fmt: skip
+                "detected_at": 102.8, "stacks": {"faulthandler": _dump(101.9, *EARLIER)}}]  # fmt: skip
+    recovered = {"kind": "recovery", "rank": 0, "step": 10, "phase": "collective_wait", "stall_id": "0-2-98",
+                 "detected_at": 103.0}  # fmt: skip
     events += _stall_and_diagnosis(0, 10, "collective_wait", 102.9, 105.0, 38)
     # rank 1 runs again at 110.9: its watchdog collects both dumps of the 8 s hold (the timer repeats), and
     # the training thread is past its next hook already (no stall event of its own: it is silent)
@@ -332,7 +333,12 @@ def test_a_hold_in_native_code_shows_its_own_dump_not_an_earlier_ones() -> None:
                 "detected_at": 110.9, "stacks": {"faulthandler": held}},
                {"kind": "recovery", "rank": 0, "step": 19, "phase": W, "stall_id": "0-10-102",
                 "detected_at": 111.0}]  # fmt: skip
-    (hang,) = hangs_from_events(events, 2)
+    first, second = hangs_from_events([*events, recovered], 2)
+    assert (first["culprit_ranks"], first["step"], first["recovered"]) == ([1], 2, True)
+    assert first["stacks"]["1"]["faulthandler"] == _dump(101.9, *EARLIER)
+    assert (second["culprit_ranks"], second["victim_ranks"], second["step"]) == ([1], [0], 10)
+    assert second["stacks"]["1"]["faulthandler"] == _dump(106.8, *HELD)
+    (hang,) = hangs_from_events(events, 2)  # the first stall's recovery not recorded: one cluster
     assert (hang["culprit_ranks"], hang["victim_ranks"], hang["step"]) == ([1], [0], 10)
     dump = hang["stacks"]["1"]["faulthandler"]
     assert dump == _dump(106.8, *HELD), "the hold's first dump, alone: not the earlier one, not both"
@@ -367,6 +373,35 @@ def test_a_stall_noticed_late_joins_the_hang_it_overlapped() -> None:
     # a stall that began after the others' last event is a hang of its own
     apart = [*events[:2], {**events[2], "since": 112.0, "waited_s": 11.0}]
     assert len(hangs_from_events(apart, 2)) == 2
+
+
+def test_pauses_a_few_seconds_apart_are_hangs_of_their_own() -> None:
+    """Rank 0 saves a checkpoint (10 s), trains 3 steps, holds the GIL 5 s, trains 3 steps, compiles: rank 1
+    stalls behind each pause, less than the clustering gap (10 s) after its previous diagnosis. Each pause
+    ended (its stalls recovered) before the next stall was noticed, at a later step: three hangs. While
+    rank 0 held the GIL, its note in the store was the one its watchdog wrote as the checkpoint's stall
+    ended (step 10, before the hold), not the checkpoint's: the hold is at step 10, not at step 7."""
+    events = _stall_and_diagnosis(0, 7, "data_wait", 49.0, 51.0, 12)
+    events += _stall_and_diagnosis(1, 7, "collective_wait", 49.0, 51.2, 13)
+    events[1]["peers"]["1"] = {**events[3]["peers"]["1"]}
+    events[3]["peers"]["0"] = {**events[1]["peers"]["0"]}
+    moved_on = {**st(10, "data_wait", **{"0": 16}), "since": 59.05, "at": 59.1}  # written at its recovery
+    def recovery(rank: int, stall_id: str, step: int, phase: str, at: float) -> dict:
+        return {"kind": "recovery", "rank": rank, "stall_id": stall_id, "step": step, "phase": phase, "detected_at": at}
+
+    events += [recovery(1, "1-7-49", 9, "backward", 59.05), recovery(0, "0-7-49", 10, "data_wait", 59.1)]
+    held = _stall_and_diagnosis(1, 10, "collective_wait", 59.05, 61.06, 17)
+    held[0]["completed"] = {"0": 16}
+    held[1]["peers"] = {"0": moved_on, "1": {**held[1]["peers"]["1"], "completed": {"0": 16}}}
+    events += [*held, recovery(1, "1-10-59", 13, W, 64.3)]
+    events += _stall_and_diagnosis(1, 13, "collective_wait", 64.2, 66.27, 21)
+    events += _stall_and_diagnosis(0, 13, "data_wait", 64.2, 66.36, 20)
+    checkpoint, native, compile_ = hangs_from_events(events, 2)  # fmt: skip
+    assert (checkpoint["culprit_ranks"], checkpoint["step"], checkpoint["recovered"]) == ([0], 7, True)
+    assert (native["culprit_ranks"], native["victim_ranks"], native["step"]) == ([0], [1], 10)
+    assert (compile_["culprit_ranks"], compile_["victim_ranks"], compile_["step"]) == ([0], [1], 13)
+    # the same events without the recoveries: nothing says the job moved on in between, one hang
+    assert len(hangs_from_events([e for e in events if e["kind"] != "recovery"], 2)) == 1
 
 
 class _LateProbe:

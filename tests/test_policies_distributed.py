@@ -52,9 +52,11 @@ def test_a_hang_ends_every_rank_and_the_job_restarts(tmp_path: Path, capsys: pyt
     # detection 2 s + diagnosis 2 s + the bound 6 s + a restart (two interpreters importing torch on 2 cores)
     assert restarted - hang < 45, f"the restarted job's first step came {restarted - hang:.1f} s after the hang"
     report = analyze_json(out / "run", capsys)
-    h, *later = report["hangs"]  # later: a slow first step of the restarted job, seen by a 2 s watchdog
-    assert all(x["recovered"] for x in later), report["hangs"]
-    assert h["culprit_ranks"] == [1] and h["aborted_ranks"] == handled and not h["recovered"], h
+    # the one hang that did not recover; any other: a slow first step of either attempt, seen by a 2 s watchdog
+    stuck = [x for x in report["hangs"] if not x["recovered"]]
+    assert len(stuck) == 1, report["hangs"]
+    h = stuck[0]
+    assert h["culprit_ranks"] == [1] and h.get("aborted_ranks") == handled, h
     aborts = [a for a in report["actions"] if a["action"] == "abort"]
     assert sorted(a["rank"] for a in aborts) == handled
     assert all(a["exit_status"] == 75 and a["culprit_ranks"] == [1] and a["restart"] == 0 for a in aborts)

@@ -177,21 +177,45 @@ def classify(states: dict[int, dict[str, Any] | None], world_size: int) -> dict[
     return verdict
 
 
-def _cluster(events: list[dict[str, Any]], gap_s: float) -> list[list[dict[str, Any]]]:
-    """Stall and diagnosis events in clusters, one hang each: an event joins the cluster before it when it
-    came within ``gap_s`` of that cluster's last event, or when it is a stall that had begun by then (a rank
-    that held the GIL in native code could not run its watchdog: it notices its stall late, once it runs
-    again, however long the hold; its stall overlapped the others' all the same)."""
+def _cluster(events: list[dict[str, Any]], gap_s: float, ended: dict[Any, float]) -> list[list[dict[str, Any]]]:
+    """Stall and diagnosis events in clusters, one hang each. A diagnosis joins the cluster of the stall it
+    speaks of. A stall joins the cluster before it when it came within ``gap_s`` of that cluster's last
+    event, or when it had begun by then (a rank that held the GIL in native code could not run its watchdog:
+    it notices its stall late, once it runs again, however long the hold; its stall overlapped the others'
+    all the same) -- unless every stall of that cluster had ended (``ended``: stall id -> when its rank was
+    seen to move on) before this one was noticed, and this one is at a later step or began after the last of
+    those ends: then the job moved on in between, and this is the next hang (a checkpoint, then a compile a
+    few steps later, are two pauses, not one)."""
     clusters: list[list[dict[str, Any]]] = []
+    of_stall: dict[Any, list[dict[str, Any]]] = {}
     for ev in sorted(events, key=lambda e: e.get("detected_at", 0.0)):
+        if ev.get("kind") == "diagnosis" and ev.get("stall_id") in of_stall:
+            of_stall[ev["stall_id"]].append(ev)
+            continue
         last = clusters[-1][-1].get("detected_at", 0.0) if clusters else None
         overlapped = ev.get("kind") == "stall" and ev.get("since") is not None and last is not None \
             and ev["since"] <= last  # fmt: skip
-        if last is not None and (ev.get("detected_at", 0.0) - last <= gap_s or overlapped):
+        if last is not None and (ev.get("detected_at", 0.0) - last <= gap_s or overlapped) \
+                and not _moved_on_before(clusters[-1], ev, ended):  # fmt: skip
             clusters[-1].append(ev)
         else:
             clusters.append([ev])
+        if ev.get("kind") == "stall":
+            of_stall[ev.get("id")] = clusters[-1]
     return clusters
+
+
+def _moved_on_before(cluster: list[dict[str, Any]], ev: dict[str, Any], ended: dict[Any, float]) -> bool:
+    """Whether every stall of ``cluster`` had ended before the stall ``ev`` was noticed, and ``ev`` is
+    a new one: at a later step than all of them, or begun after the last of them ended."""
+    stalls = [e for e in cluster if e.get("kind") == "stall"]
+    if ev.get("kind") != "stall" or not stalls or any(e.get("id") not in ended for e in stalls):
+        return False
+    last_end = max(ended[e.get("id")] for e in stalls)
+    if last_end > ev.get("detected_at", 0.0):
+        return False
+    later_step = int(ev.get("step", -1)) > max(int(e.get("step", -1)) for e in stalls)
+    return later_step or float(ev.get("since") or 0.0) >= last_end
 
 
 def hangs_from_events(
@@ -203,7 +227,8 @@ def hangs_from_events(
     events = list(events)
     stalls = [e for e in events if e.get("kind") in ("stall", "diagnosis")]
     hangs = []
-    for group in _cluster(stalls, gap_s=max([e.get("threshold_s", 0.0) for e in stalls] + [10.0])):
+    ended = {e.get("stall_id"): e.get("detected_at", 0.0) for e in events if e.get("kind") == "recovery"}
+    for group in _cluster(stalls, max([e.get("threshold_s", 0.0) for e in stalls] + [10.0]), ended):
         states: dict[int, dict[str, Any] | None] = {}
         for ev in sorted(group, key=lambda e: e.get("detected_at", 0.0)):
             for rank, state in (ev.get("peers") or {}).items():

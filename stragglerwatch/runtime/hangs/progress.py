@@ -144,10 +144,12 @@ def _ours(pid: int) -> bool:
 
 
 def process_work(root: str = _PROC, skip: set[int] | frozenset[int] = frozenset(), depth: int = 3,
-                 cpu_of: set[int] | None = None) -> tuple[float, int | None, bool, bool] | None:  # fmt: skip
+                 cpu_of: set[int] | None = None, threads: dict[str, tuple[str, float]] | None = None,
+                 ) -> tuple[float, int | None, bool, bool] | None:  # fmt: skip
     """``(CPU seconds, I/O bytes, a thread in uninterruptible sleep, a thread running)`` of a process's
     threads but ``skip``, with its descendants' (``depth`` generations); None where ``/proc`` cannot be read.
-    ``cpu_of``: the threads whose CPU time and running state count (None: all); the others' I/O counts."""
+    ``cpu_of``: the threads whose CPU time and running state count (None: all); the others' I/O counts.
+    ``threads``: filled with each counted thread's ``(state, CPU seconds)`` by its ``/proc`` path."""
     try:
         tasks = os.listdir(f"{root}/task")
     except OSError:
@@ -163,6 +165,8 @@ def process_work(root: str = _PROC, skip: set[int] | frozenset[int] = frozenset(
         if cpu_of is None or int(tid) in cpu_of:
             cpu += st[1]
             running = running or st[0] == "R"  # on a CPU or waiting for one: computing, not blocked
+            if threads is not None:
+                threads[f"{root}/{tid}"] = (st[0], st[1])
         in_io = in_io or st[0] == "D"
     # the process's bytes (its ended threads' included: a writer thread that finished) less our threads'
     total = _io(f"{root}/io")
@@ -172,7 +176,7 @@ def process_work(root: str = _PROC, skip: set[int] | frozenset[int] = frozenset(
         for child in _children(root.rsplit("/", 1)[-1] if root != _PROC else os.getpid()):
             if _ours(child):
                 continue
-            sub = process_work(f"/proc/{child}", frozenset(), depth - 1)
+            sub = process_work(f"/proc/{child}", frozenset(), depth - 1, threads=threads)
             if sub is not None:
                 cpu += sub[0]
                 io += sub[1] or 0
@@ -306,13 +310,23 @@ def _start_ticks(pid: int) -> int | None:
         return None
 
 
+#: CPU seconds a thread runnable at two looks must have had between them to count as computing.
+RUNNING_CPU_S = 2 / _HZ
+
+
 class PeerProcesses:
     """The progress of peers' processes that run on this host, read from ``/proc`` (a peer holding the GIL
-    cannot publish a note; its CPU time and I/O still show whether it works)."""
+    cannot publish a note; its CPU time and I/O still show whether it works).
+
+    From outside, the peer's threads cannot be told apart (its Python threads from the libraries', ours from
+    the job's), and a thread waiting for the GIL wakes every few milliseconds: on a crowded host it is often
+    found runnable. So a peer's thread counts as running only where it was runnable at both looks *and* got
+    CPU time in between (:data:`RUNNING_CPU_S`): computing, however little CPU the host gave it."""
 
     def __init__(self) -> None:
         self._me = identity()
         self._seen: dict[int, Progress] = {}
+        self._threads: dict[int, dict[str, tuple[str, float]]] = {}
 
     def quiet_s(self, rank: int, note: dict[str, Any] | None, now: float) -> float | None:
         """Seconds without progress of ``rank``'s process, or None where it is not on this host or cannot be
@@ -326,13 +340,20 @@ class PeerProcesses:
         progress = self._seen.get(rank)
         if progress is not None and progress.last is not None and now - progress.last.t < MIN_INTERVAL_S:
             return progress.quiet_s(now)  # a clock tick over a short interval would read as work
-        work = process_work(f"/proc/{pid}")
+        threads: dict[str, tuple[str, float]] = {}
+        work = process_work(f"/proc/{pid}", threads=threads)
         if work is None:
             return None
+        before, self._threads[rank] = self._threads.get(rank, {}), threads
+        computing = any(state == "R" and before.get(t, ("", cpu))[0] == "R" and cpu - before[t][1] >= RUNNING_CPU_S
+                        for t, (state, cpu) in threads.items())  # fmt: skip
         if progress is None:
             progress = self._seen[rank] = Progress(since=now)
-        progress.update(Sample(now, work[0], work[1], work[2], (), None, None, work[3]))
+        elif progress.last is not None:
+            progress.last.running = computing  # ``moved`` asks for both looks
+        progress.update(Sample(now, work[0], work[1], work[2], (), None, None, computing))
         return progress.quiet_s(now)
 
     def forget(self) -> None:
         self._seen.clear()
+        self._threads.clear()
