@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from stragglerwatch.analysis.detect import Straggler, detect
-from stragglerwatch.analysis.thresholds import DetectConfig
+from stragglerwatch.analysis.thresholds import DetectConfig, classic_floors
 from stragglerwatch.record.simulate import (
     CAUSE_PHASES,
     Injection,
@@ -139,7 +139,7 @@ def imbalance_run(cfg: SimConfig, row: ImbalanceRow, level_of: Callable[[SimConf
     (default :func:`true_level`), to tell the false flags on drifted ranks."""
     verdict = detect(to_frame(cfg))
     truth = imbalance_truth(cfg)
-    level, tol = (level_of or true_level)(cfg), DetectConfig().tolerance
+    level, tol = (level_of or true_level)(cfg), classic_floors(DetectConfig()).tolerance
     row.runs += 1
     slowed = {i.rank: i.onset for i in cfg.injections}
     for s in verdict.stragglers:
@@ -278,7 +278,7 @@ def model_table(ranks: int, steps: int, trials: int, healthy: int, models: list[
           + " ".join(f"{'recall ' + f'{x:.0%}':>10}" for x in (0.05, 0.10, 0.20))
           + f" {'<=30 steps @10%':>15} {'@20%':>5} {'latency @10% med/p90':>20} {'precision':>9}")  # fmt: skip
     rank_hours = ranks * steps * 0.1 / 3600
-    tol = DetectConfig().tolerance
+    tol = classic_floors(DetectConfig()).tolerance
     seed = 10_000
     for name in models:
         kw = {**BASE, **NOISE_MODELS[name]}
@@ -327,7 +327,7 @@ def long_healthy(rank_hours: float, models: list[str], ranks: int = 256, steps: 
     print(f"straggler-free runs of {ranks} ranks x {steps} steps (100 ms): {runs} per model, "
           f"{runs * per_run:.0f} rank-hours")  # fmt: skip
     print(f"{'noise model':>11} {'flags':>7} {'per 1k rank-h':>13} {'on drifted ranks':>16} {'seconds':>8}")
-    tol = DetectConfig().tolerance
+    tol = classic_floors(DetectConfig()).tolerance
     for name in models:
         t0, flags, gray = time.perf_counter(), 0, []
         for i in range(runs):

@@ -48,7 +48,7 @@ import pandas as pd
 from accuracy import IMBALANCE_CASES, IMBALANCE_HEADER, ImbalanceRow, imbalance_cells, imbalance_config, imbalance_run
 
 from stragglerwatch.analysis.detect import MATRIX_COLUMNS, Straggler, Verdict, detect, to_matrix
-from stragglerwatch.analysis.thresholds import DetectConfig
+from stragglerwatch.analysis.thresholds import DetectConfig, classic_floors
 from stragglerwatch.record.simulate import CAUSE_PHASES, Injection, SimConfig, injected, simulate_arrays, to_frame
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -354,7 +354,7 @@ def drift_part(args: argparse.Namespace) -> None:
     ranks, steps = 256, 10_000
     per_run = ranks * steps * 0.1 / 3600
     runs = max(1, int(np.ceil(args.rank_hours / per_run)))
-    tol = DetectConfig().tolerance
+    tol = classic_floors(DetectConfig()).tolerance
     print(f"### Drift, every flag counted: straggler-free runs of {ranks} ranks x {steps} steps (100 ms), "
           f"{runs} per model ({runs * per_run:.0f} rank-hours)\n")  # fmt: skip
     print(f"| model | false flags | per 1,000 rank-hours | on ranks truly > {tol:.0%} slower | "

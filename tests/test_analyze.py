@@ -186,7 +186,9 @@ def test_text_report_shows_the_load_imbalance(tmp_path: Path) -> None:
             "ranks") in flat  # fmt: skip
     assert f"one more token costs a healthy rank {imb['seconds_per_unit'] * 1e6:.3g} µs" in flat
     assert sum(line.startswith("    try: ") for line in lines) == len(imb["hints"]) >= 1
-    assert "lost to stragglers, load imbalance and jitter" in flat
+    split = report["lost_split"]
+    assert split["imbalance"] > 0 and split["stragglers"] == 0.0
+    assert f"{split['imbalance']:.1f} s to unequal work" in flat and "to jitter" in flat
     head = lines.index("work per rank (medians; work in tokens per step, busy µs per token):")
     assert lines[head + 1].split() == ["rank", "work/step", "busy/token", "busy", "ms", "vs", "peers"]
     for row, line in zip(report["ranks"], lines[head + 2 :], strict=True):

@@ -44,6 +44,7 @@ import bottleneck as bn
 import numpy as np
 
 from stragglerwatch.analysis.intermittent import block_bar, block_noise, block_stats, intermittent_flags
+from stragglerwatch.analysis.thresholds import Floors, classic_floors, floors
 
 if TYPE_CHECKING:  # detect.py imports this module
     from stragglerwatch.analysis.thresholds import DetectConfig
@@ -92,6 +93,7 @@ class Round2:
     second_w: np.ndarray  # second differences of ``window``-step block means (finite ones)
     second_lw: np.ndarray  # the same for ``level_window``-step blocks
     bar: float  # lowest level bar at the last step
+    bar_classic: float  # the same at the fixed floor
 
 
 @dataclass(frozen=True)
@@ -105,9 +107,24 @@ class Scalars:
     bar: float = 0.0
     block_noise: float = np.inf  # the intermittent test's (``intermittent.block_noise``)
     ranks: int = 0  # ranks in the job
+    floors: Floors = Floors(0.06, 0.05, 0.03)  # what the run's noise sets (``thresholds.floors``)
+    classic: Floors = Floors(0.06, 0.05, 0.03)  # the fixed floor (``thresholds.classic_floors``)
+    bar_classic: float = 0.0  # ``bar`` at the fixed floor
 
     def cap(self, cfg: DetectConfig) -> float:
-        return cfg.clip * self.noise
+        """The largest weight of one step in the CUSUM: ``clip`` noise units; at the noise floor, at least
+        1.5 times the smallest change (on a quiet run ``clip`` noise units lie below the CUSUM's reference
+        value, where no change could ever add up: only the level test, a 64-step median, would find it)."""
+        wide = 1.5 * self.floors.slowdown if self.floors != self.classic else 0.0
+        return max(cfg.clip * self.noise, wide)
+
+    def two_floors(self) -> bool:
+        """The run's noise floor lies below the fixed one: flags at each are found, and told apart."""
+        return self.floors != self.classic
+
+    def at_classic(self) -> Scalars:
+        """These scalars at the fixed floor."""
+        return replace(self, floors=self.classic, bar=self.bar_classic)
 
 
 def _moving(fn, x: np.ndarray, window: int, min_count: int) -> np.ndarray:
@@ -145,7 +162,8 @@ def combine1(parts: list[Round1], cfg: DetectConfig) -> Scalars:
     spread = _offset_spread(centers, steps, noise) if len(centers) >= 8 else np.inf
     jitter = np.concatenate([p.block_jitter for p in parts]) if parts else np.zeros(0)
     level = np.concatenate([p.block_level for p in parts]) if parts else np.zeros(0)
-    return Scalars(noise=noise, spread=spread, block_noise=block_noise(jitter, level), ranks=len(centers))
+    return Scalars(noise=noise, spread=spread, block_noise=block_noise(jitter, level), ranks=len(centers),
+                   floors=floors(noise, cfg), classic=classic_floors(cfg))  # fmt: skip
 
 
 def _offset_spread(centers: np.ndarray, steps: np.ndarray, noise: float) -> float:
@@ -193,13 +211,15 @@ def round2(state: BlockState, sc: Scalars, cfg: DetectConfig) -> Round2:
         around = np.clip(state.e - state.center, -cap, cap)
     finite = dev[np.isfinite(dev)]
     bars = level_bars(state.counted[-1:], sc, cfg) if len(state.e) else np.zeros(0)
+    classic = level_bars(state.counted[-1:], sc.at_classic(), cfg) if len(state.e) else np.zeros(0)
     return Round2(
         n=int(finite.size),
         total=float(np.sum(finite)),
         squares=float(np.sum(finite**2)),
         second_w=_second_differences(around, cfg.window),
         second_lw=_second_differences(around, cfg.level_window),
-        bar=float(bars.min()) if bars.size else cfg.min_slowdown,
+        bar=float(bars.min()) if bars.size else sc.floors.slowdown,
+        bar_classic=float(classic.min()) if classic.size else sc.classic.slowdown,
     )
 
 
@@ -215,21 +235,23 @@ def combine2(parts: list[Round2], sc: Scalars, cfg: DetectConfig) -> Scalars:
     # the long-run variance, from the means of ``window``- and ``level_window``-step blocks
     variance = max(sc.noise**2, plain, _long_run_variance(second_w, cfg.window),
                    _long_run_variance(second_lw, cfg.level_window))  # fmt: skip
-    bar = min((p.bar for p in parts), default=cfg.min_slowdown)
-    return replace(sc, skew=skew, variance=variance, bar=bar)
+    bar = min((p.bar for p in parts), default=sc.floors.slowdown)
+    bar_classic = min((p.bar_classic for p in parts), default=sc.classic.slowdown)
+    return replace(sc, skew=skew, variance=variance, bar=bar, bar_classic=bar_classic)
 
 
 def level_bars(counted: np.ndarray, sc: Scalars, cfg: DetectConfig) -> np.ndarray:
     """The level test's bar for a median of ``counted`` steps."""
     with np.errstate(divide="ignore"):
-        return np.maximum(cfg.min_slowdown, cfg.tolerance + cfg.z * 1.2533 * sc.noise / np.sqrt(counted))
+        f = sc.floors
+        return np.maximum(f.slowdown, f.tolerance + cfg.z * 1.2533 * sc.noise / np.sqrt(counted))
 
 
 def alarm_levels(sc: Scalars, cfg: DetectConfig) -> tuple[float, list[float], list[float]]:
     """H0's change, the CUSUMs' reference values and alarm levels (H1: a change of min_slowdown,
     and of twice that). Each reference value lies halfway between its H0 and H1; a CUSUM alarms
     at ``decision`` nats of log-likelihood ratio between its two hypotheses."""
-    delta = cfg.min_slowdown
+    delta = sc.floors.slowdown
     c0 = delta / 3.0
     targets = (delta, 2.0 * delta)
     return c0, [(c0 + t) / 2.0 for t in targets], [cfg.decision * sc.variance / (t - c0) for t in targets]
@@ -281,10 +303,28 @@ class Carry:
         return Carry(*(getattr(self, f).copy() for f in self.__dataclass_fields__))
 
 
+#: Bits of :func:`round3`'s flags: flagged at the run's noise floor, at the fixed floor.
+AT_NOISE, AT_CLASSIC = 1, 2
+
+
 def round3(state: BlockState, sc: Scalars, cfg: DetectConfig) -> np.ndarray:
-    """Steps x ranks bool flags of one block."""
-    out = advance(state, sc, cfg, Carry.fresh(state.e.shape[1]), 0, len(state.e))
-    return out | intermittent_flags(state.e, state.costly, sc.block_noise, cfg, sc.ranks)
+    """Steps x ranks uint8 flags of one block: :data:`AT_NOISE` | :data:`AT_CLASSIC` bits (0: not flagged)."""
+    levels = [sc, sc.at_classic()] if sc.two_floors() else [sc]
+    out = [advance(state, x, cfg, Carry.fresh(state.e.shape[1]), 0, len(state.e))
+           | intermittent_flags(state.e, costly(state.costly, x), x.block_noise, x.floors, cfg, x.ranks)
+           for x in levels]  # fmt: skip
+    return bits(out[0], out[-1])
+
+
+def bits(at_noise: np.ndarray, at_classic: np.ndarray) -> np.ndarray:
+    """The uint8 flags of :func:`round3` from the bool flags at each floor."""
+    return at_noise.astype(np.uint8) * AT_NOISE | at_classic.astype(np.uint8) * AT_CLASSIC
+
+
+def costly(cost: np.ndarray, sc: Scalars) -> np.ndarray:
+    """Where an excess costs at least the run's floor share of its step (``stages.step_stage``'s cost)."""
+    with np.errstate(invalid="ignore"):
+        return cost > sc.floors.step_fraction
 
 
 def advance(
@@ -300,9 +340,9 @@ def advance(
     """Flags of steps ``start:stop`` from ``carry`` (the state after step ``start - 1``, updated in
     place); with ``checkpoints``, a copy of the state before each step that is a multiple of
     ``every`` (where a followed run resumes from)."""
-    e, costly, med, level = state.e, state.costly, state.med, state.level
+    e, cost, med, level = state.e, state.costly, state.med, state.level
     n_ranks = e.shape[1]
-    delta, w = cfg.min_slowdown, cfg.window
+    delta, w, fraction = sc.floors.slowdown, cfg.window, sc.floors.step_fraction
     _, ks, hs = alarm_levels(sc, cfg)
     cap, skew = sc.cap(cfg), sc.skew
     # the short median must be clearly above the baseline: half the smallest change, or two of its
@@ -331,13 +371,13 @@ def advance(
         c.run_n = np.where(restart, 0.0, c.run_n + seen)
         c.run_sum = np.where(restart, 0.0, c.run_sum + np.where(seen, score, 0.0))
         m, lev, lev_bar = med[s], level[s], bars[s - lo]
-        level_off = (cfg.tolerance + lev_bar) / 2.0  # below it, a level flag clears (hysteresis)
+        level_off = (sc.floors.tolerance + lev_bar) / 2.0  # below it, a level flag clears (hysteresis)
         with np.errstate(invalid="ignore", divide="ignore"):
             # the change's size: its mean since the CUSUM rose (the maximum-likelihood estimate), and
             # the median of the last ``window`` steps (persistence: most recent steps are slow)
             size = c.run_sum / c.run_n
             change = alarm & (size >= 0.75 * delta) & (m - c.base >= persist) & (m >= delta / 2)
-            slow = (change | (lev >= lev_bar)) & costly[s]
+            slow = (change | (lev >= lev_bar)) & (cost[s] > fraction)
             near = (m - c.base < delta * cfg.off_ratio) | (m < delta * cfg.off_ratio)
             back = np.where(np.isfinite(c.base), near, m < level_off) & ~(lev >= level_off)
         gap = np.isnan(m)  # too few steps in the window (a rank missing rows): no evidence either way
@@ -352,21 +392,22 @@ def advance(
 
 def thresholds(sc: Scalars, cfg: DetectConfig) -> dict[str, float]:
     _, _, hs = alarm_levels(sc, cfg)
-    bar = block_bar(sc.block_noise, cfg)
+    bar = block_bar(sc.block_noise, sc.floors, cfg)
     return {"noise": sc.noise, "skew": sc.skew, "cusum_h": hs[0], "level_bar": sc.bar,
-            "block_bar": bar if np.isfinite(bar) else None,
-            "min_slowdown": cfg.min_slowdown, "tolerance": cfg.tolerance}  # fmt: skip
+            "block_bar": bar if np.isfinite(bar) else None, "min_slowdown": sc.floors.slowdown,
+            "tolerance": sc.floors.tolerance, "min_step_fraction": sc.floors.step_fraction,
+            "fixed_min_slowdown": sc.classic.slowdown, "min_cost_share": cfg.min_cost_share}  # fmt: skip
 
 
 def flags(e: np.ndarray, costly: np.ndarray, cfg: DetectConfig) -> tuple[np.ndarray, dict[str, float]]:
-    """Steps x ranks bool flags for the excess ``e``; ``costly``: steps x ranks, the excess is worth
-    reporting (a noticeable part of the step). Returns the flags and the thresholds used. The
+    """Steps x ranks uint8 flags (:func:`round3`) for the excess ``e``; ``costly``: steps x ranks, the share
+    of its step the excess is (``stages.step_stage``). Returns the flags and the thresholds used. The
     rounds run here, block after block; ``rayengine.py`` runs the same rounds on a cluster."""
     blocks = rank_blocks(e.shape[1], e.shape[0])
     states = [block_state(np.ascontiguousarray(e[:, b]), np.ascontiguousarray(costly[:, b]), cfg) for b in blocks]
     sc = combine1([round1(s) for s in states], cfg)
     sc = combine2([round2(s, sc, cfg) for s in states], sc, cfg)
-    out = np.zeros(e.shape, dtype=bool)
+    out = np.zeros(e.shape, dtype=np.uint8)
     for b, state in zip(blocks, states, strict=True):
         out[:, b] = round3(state, sc, cfg)
     return out, thresholds(sc, cfg)

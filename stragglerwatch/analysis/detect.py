@@ -34,7 +34,9 @@ import numpy as np
 import pandas as pd
 
 from stragglerwatch.analysis import imbalance as imb
+from stragglerwatch.analysis.consistency import AT_CLASSIC
 from stragglerwatch.analysis.consistency import flags as consistency_flags
+from stragglerwatch.analysis.cost import cost_in_turn
 from stragglerwatch.analysis.stages import (
     CAUSES,
     Groups,
@@ -71,6 +73,11 @@ class Straggler:
     # (first_step, last_step) of each flagged stretch when a short pause (a stall, a gap in the
     # data, a few healthy steps) interrupted it: one straggler, several episodes
     episodes: list[tuple[int, int | None]] = field(default_factory=list)
+    # what fixing it would save the job (``cost.py``: costed in turn, the costlier stragglers fixed first),
+    # in seconds and as a share of the job's time while it was flagged
+    saves_seconds: float = 0.0
+    saves_share: float = 0.0
+    classic: bool = True  # flagged at the fixed floor (``min_slowdown`` of earlier releases) too
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -98,6 +105,9 @@ def _merge_episodes(found: list[Straggler], steps: np.ndarray, gap: int) -> list
                 where=main.where,
                 gap_ms=main.gap_ms,
                 episodes=[*prev.episodes, (s.first_step, s.last_step)],
+                saves_seconds=prev.saves_seconds + s.saves_seconds,
+                saves_share=max(prev.saves_share, s.saves_share),
+                classic=prev.classic or s.classic,
             )
         else:
             s.episodes = [(s.first_step, s.last_step)]
@@ -130,6 +140,9 @@ class Verdict:
     slowdown: np.ndarray  # steps x ranks: busy / reference (1.0 = like its peers), for the same work
     flags: np.ndarray  # steps x ranks bool
     imbalance: imb.Imbalance | None = None  # None: no work per step recorded
+    healthy: np.ndarray | None = None  # ranks never flagged before the cost test (the jitter tax's ranks)
+    jitter_hosts: np.ndarray | None = None  # steps x hosts of the healthy ranks (``jittertax``): the Ray engine's
+    jitter_ranks: int = 0
 
     @property
     def job_slowdown(self) -> float:
@@ -197,18 +210,21 @@ def detect(
         model = imb.fit(raw, g, healthy=~flagged[0].any(axis=0))
         values = imb.adjust(raw, model, g)
         flagged = _flag(values, g, cfg)
-    flags, thresholds, excess, stats = flagged
+    flags, thresholds, excess, stats, classic = flagged
     busy = values["busy_s"]
     phases = cause_phases(values)
-    health = healthy_stage(busy, phases, flags, ~flags.any(axis=0), g)
+    never = ~flags.any(axis=0)
+    health = healthy_stage(busy, phases, flags, never, g)
     found = []
     for j in np.flatnonzero(flags.any(axis=0)):
         col = health.ref_h[:, g.index[j]]
         series = RankSeries(excess[:, j], busy[:, j], [p[:, j] for p in phases], col,
                             other_max(stats.top1, stats.top1_at, stats.top2, j), health.peer_phase)  # fmt: skip
-        found += [straggler(int(mat.ranks[j]), mat.steps, series, a, b, cfg) for a, b in intervals(flags[:, j])]
+        found += [straggler(int(mat.ranks[j]), mat.steps, series, a, b, cfg, bool(classic[a:b, j].any()))
+                  for a, b in intervals(flags[:, j])]  # fmt: skip
     slowdown = busy / health.ref_h[:, g.index] if busy.size else np.zeros(busy.shape)
     result = verdict(mat.ranks, mat.steps, found, stats, health, g, cfg, thresholds, slowdown, flags)
+    result.healthy = never
     if model is not None:
         im = result.imbalance = imb.assess(raw, model, g, flags.any(axis=0), mat.ranks, result.job_seconds,
                                            cfg.imbalance_min_slowdown, unit, column)  # fmt: skip
@@ -219,16 +235,18 @@ def detect(
 
 
 def _flag(values: dict[str, np.ndarray], g: Groups, cfg: DetectConfig
-          ) -> tuple[np.ndarray, dict[str, float], np.ndarray, StepStats]:  # fmt: skip
-    """The flags of every rank and step, the thresholds, the excess and the per-step figures."""
+          ) -> tuple[np.ndarray, dict[str, float], np.ndarray, StepStats, np.ndarray]:  # fmt: skip
+    """The flags of every rank and step, the thresholds, the excess, the per-step figures, and where the
+    flags are at the fixed floor (``consistency.round3``)."""
     excess, costly, stats = step_stage(values["busy_s"], values["step_s"], values["comm_wait_s"], g, cfg)
-    flags, thresholds = consistency_flags(excess, costly, cfg)
-    return flags, thresholds, excess, stats
+    levels, thresholds = consistency_flags(excess, costly, cfg)
+    return levels > 0, thresholds, excess, stats, (levels & AT_CLASSIC) > 0
 
 
-def straggler(rank: int, steps: np.ndarray, series: RankSeries, start: int, end: int | None, cfg: DetectConfig
-              ) -> Straggler:  # fmt: skip
-    """The verdict on one flagged stretch [start, end) of a rank (step indices)."""
+def straggler(rank: int, steps: np.ndarray, series: RankSeries, start: int, end: int | None, cfg: DetectConfig,
+              classic: bool = True) -> Straggler:  # fmt: skip
+    """The verdict on one flagged stretch [start, end) of a rank (step indices); ``classic``: flagged at the
+    fixed floor too (it stands whatever it costs; below it, ``verdict`` keeps it only where it is costly)."""
     d = describe(series, start, end, cfg)
     return Straggler(
         rank=rank,
@@ -241,6 +259,7 @@ def straggler(rank: int, steps: np.ndarray, series: RankSeries, start: int, end:
         excess_ms=d["excess_ms"],
         where=d["where"],
         gap_ms=d["gap_ms"],
+        classic=classic,
     )
 
 
@@ -256,7 +275,10 @@ def verdict(
     slowdown: np.ndarray,
     flags: np.ndarray,
 ) -> Verdict:
-    """The job's verdict from the per-step figures of every step and the flagged stretches."""
+    """The job's verdict from the per-step figures of every step and the flagged stretches: those whose
+    fixing would save the job at least ``min_cost_share`` of its time while they last (``cost.py``); the
+    flags of the others are cleared (``flags`` is changed in place)."""
+    found = _costly(found, ranks, steps, stats, health, groups, cfg, flags)
     stragglers = _merge_episodes(found, steps, cfg.window)
     stragglers.sort(key=lambda s: -s.lost_seconds)
     step_job = np.nan_to_num(stats.step_med)
@@ -280,6 +302,34 @@ def verdict(
         slowdown=slowdown,
         flags=flags,
     )
+
+
+def _costly(found: list[Straggler], ranks: np.ndarray, steps: np.ndarray, stats: StepStats, health: HealthyStats,
+            groups: Groups, cfg: DetectConfig, flags: np.ndarray) -> list[Straggler]:  # fmt: skip
+    """The stretches flagged at the fixed floor, and those below it that cost the job enough, with what fixing
+    each would save (``cost.cost_in_turn``)."""
+    if not found:
+        return found
+    position = {int(s): i for i, s in enumerate(steps)}
+    columns = {int(r): i for i, r in enumerate(ranks)}
+    spans = [(columns[s.rank], position[s.first_step], position[s.detected_step],
+              len(steps) if s.last_step is None else position[s.last_step] + 1) for s in found]  # fmt: skip
+    stretches = [(c, a, b) for c, a, _, b in spans]
+    ref = health.ref_h[:, groups.index]
+    costs = cost_in_turn(stretches, stats.top_v, stats.top_c, groups.index, ref, np.nan_to_num(stats.step_med),
+                         cfg.min_cost_share, [s.classic for s in found])  # fmt: skip
+    kept = []
+    job = float(np.nansum(stats.step_med))
+    for s, (c, a, flagged, b), (saved, share, ok) in zip(found, spans, costs, strict=True):
+        # below the fixed floor, a stretch that ended must also have cost the run something, or have lasted
+        # (a few dozen slow steps by chance, as two-mode noise has them, are not a straggler)
+        lasting = s.last_step is None or b - a >= cfg.level_window or saved >= cfg.min_cost_share * job
+        if (ok and lasting) or s.classic:
+            s.saves_seconds, s.saves_share = round(saved, 6), round(share, 6)
+            kept.append(s)
+        elif flags.size:  # (the Ray engine keeps no flags matrix)
+            flags[flagged:b, c] = False
+    return kept
 
 
 def _group_imbalance(group_med: np.ndarray, groups: Groups, ranks: np.ndarray, cfg: DetectConfig,

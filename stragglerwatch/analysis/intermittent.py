@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from stragglerwatch.analysis.thresholds import DetectConfig
+    from stragglerwatch.analysis.thresholds import DetectConfig, Floors
 
 #: Steps of a block: the periods it makes steady (the common numbers of loader workers).
 BLOCK = 8
@@ -71,17 +71,18 @@ def block_noise(jitter: np.ndarray, level: np.ndarray) -> float:
     return max(float(np.median(calm)), 0.002)
 
 
-def block_bar(noise: float, cfg: DetectConfig) -> float:
-    """The block excess above which a block is slow."""
-    return max(cfg.min_slowdown, cfg.tolerance + cfg.z * noise)
+def block_bar(noise: float, floors: Floors, cfg: DetectConfig) -> float:
+    """The block excess above which a block is slow (``floors``: the run's, ``thresholds.floors``)."""
+    return max(floors.slowdown, floors.tolerance + cfg.z * noise)
 
 
-def intermittent_flags(e: np.ndarray, costly: np.ndarray, noise: float, cfg: DetectConfig, ranks: int) -> np.ndarray:
-    """Steps x ranks bool: the steps of each rank's flagged block stretches. ``ranks``: the job's
-    (a job of one rank has no peers)."""
+def intermittent_flags(e: np.ndarray, costly: np.ndarray, noise: float, floors: Floors, cfg: DetectConfig,
+                       ranks: int) -> np.ndarray:  # fmt: skip
+    """Steps x ranks bool: the steps of each rank's flagged block stretches. ``costly``: steps x ranks bool,
+    the excess a noticeable share of the step. ``ranks``: the job's (a job of one rank has no peers)."""
     n, r = e.shape
     out = np.zeros((n, r), dtype=bool)
-    bar = block_bar(noise, cfg)
+    bar = block_bar(noise, floors, cfg)
     if ranks < 2 or n // BLOCK < CONFIRM_BLOCKS or not np.isfinite(bar):
         return out
     means = block_means(e)

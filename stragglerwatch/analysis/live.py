@@ -32,6 +32,7 @@ import pandas as pd
 import pyarrow as pa
 
 from stragglerwatch.analysis import consistency as cons
+from stragglerwatch.analysis.cost import TOP_K
 from stragglerwatch.analysis.detect import StepMatrix, Verdict, detect, straggler, verdict
 from stragglerwatch.analysis.explain import StepTimes
 from stragglerwatch.analysis.imbalance import recorded, uneven
@@ -154,7 +155,7 @@ class LiveRun:
         self.det = _Rows()
         self.sc: cons.Scalars | None = None
         self.sc_steps = 0
-        self.checkpoints: dict[int, cons.Carry] = {}
+        self.checkpoints: list[dict[int, cons.Carry]] = [{}, {}]  # at the noise floor, at the fixed floor
         self.never: np.ndarray | None = None
         self.unit = ""  # what the records' work counts, once known
         self.slow_at = 0.0
@@ -263,7 +264,7 @@ class LiveRun:
             self.data.arrays[col] = grown
         self.ranks = ranks
         self.det, self.sc, self.sc_steps, self.never = _Rows(), None, 0, None
-        self.checkpoints = {}
+        self.checkpoints = [{}, {}]
         return 0
 
     def _read(self, f: Path, state: _File) -> pa.Table | None:
@@ -344,12 +345,15 @@ class LiveRun:
         if uneven(mat.values):  # work-adjusted times move with every new step: all again
             return self._exact()
         g = Groups.of(self.ranks, self.roles)
-        self.det.grow(n, {"e": ((r,), np.float64, np.nan), "costly": ((r,), bool, False),
+        self.det.grow(n, {"e": ((r,), np.float64, np.nan), "costly": ((r,), np.float32, np.nan),
                           "med": ((r,), np.float64, np.nan), "level": ((r,), np.float64, np.nan),
                           "counted": ((r,), np.float64, 0.0), "flags": ((r,), bool, False),
+                          "classic": ((r,), bool, False),
                           "step_med": ((), np.float64, np.nan), "least": ((), np.float64, np.nan),
                           "top1": ((), np.float64, -np.inf), "top1_at": ((), np.int64, 0),
                           "top2": ((), np.float64, -np.inf), "group_med": ((len(g.names),), np.float64, np.nan),
+                          "top_v": ((len(g.names), TOP_K), np.float64, -np.inf),
+                          "top_c": ((len(g.names), TOP_K), np.int64, -1),
                           "ref_h": ((len(g.names),), np.float64, np.nan), "ref_job": ((), np.float64, np.nan),
                           "peer_phase": ((len(CAUSES) + len(GAP_COLUMNS),), np.float64, np.nan),
                           "start": ((), np.float64, np.nan), "end": ((), np.float64, np.nan)})  # fmt: skip
@@ -359,7 +363,8 @@ class LiveRun:
         e, costly, st = step_stage(v["busy_s"][rows], v["step_s"][rows], v["comm_wait_s"][rows], g, cfg)
         d["e"][rows], d["costly"][rows] = e, costly
         for name, col in (("step_med", st.step_med), ("least", st.least_wait), ("top1", st.top1),
-                          ("top1_at", st.top1_at), ("top2", st.top2), ("group_med", st.group_med)):  # fmt: skip
+                          ("top1_at", st.top1_at), ("top2", st.top2), ("group_med", st.group_med),
+                          ("top_v", st.top_v), ("top_c", st.top_c)):  # fmt: skip
             d[name][rows] = col
         _, d["start"][rows], d["end"][rows] = step_times(self.steps[rows], start[rows], v["step_s"][rows])
         # rolling medians of the rows that changed, from the window before them
@@ -371,13 +376,22 @@ class LiveRun:
         if self.sc is None or n >= (1.0 + self.regrow) * self.sc_steps:
             # the steps before ``lo`` keep the flags the earlier scalars gave them until the run settles
             self.sc, self.sc_steps = self._scalars(state), n
-        at = max((k for k in self.checkpoints if k <= lo), default=0)
-        carry = self.checkpoints[at].copy() if at in self.checkpoints else cons.Carry.fresh(r)
-        self.checkpoints = {k: c for k, c in self.checkpoints.items() if k <= at}
-        d["flags"][at:n] = cons.advance(state, self.sc, cfg, carry, at, n, self.checkpoints)  # type: ignore[arg-type]
-        # the intermittent test looks at whole blocks of the history: OR-ed here, not kept in the carry
         sc = self.sc
-        flags = d["flags"][:n] | intermittent_flags(d["e"][:n], d["costly"][:n], sc.block_noise, cfg, sc.ranks)
+        levels = [sc, sc.at_classic()] if sc.two_floors() else [sc]
+        at = max((k for k in self.checkpoints[0] if k <= lo and all(k in c for c in self.checkpoints[: len(levels)])),
+                 default=0)  # fmt: skip
+        for i, (x, name) in enumerate(zip(levels, ("flags", "classic"), strict=False)):
+            carry = self.checkpoints[i][at].copy() if at in self.checkpoints[i] else cons.Carry.fresh(r)
+            self.checkpoints[i] = {k: c for k, c in self.checkpoints[i].items() if k <= at}
+            d[name][at:n] = cons.advance(state, x, cfg, carry, at, n, self.checkpoints[i])  # type: ignore[arg-type]
+        if len(levels) == 1:
+            d["classic"][at:n] = d["flags"][at:n]
+        # the intermittent test looks at whole blocks of the history: OR-ed here, not kept in the carry
+        at_floor = [d[name][:n] | intermittent_flags(d["e"][:n], cons.costly(d["costly"][:n], x), x.block_noise,
+                                                     x.floors, cfg, x.ranks)
+                    for x, name in zip(levels, ("flags", "classic"), strict=False)]  # fmt: skip
+        classic = at_floor[-1] if len(levels) == 2 else at_floor[0]
+        flags = at_floor[0] | classic
         never = ~flags.any(axis=0)
         first = 0 if self.never is None or not np.array_equal(never, self.never) else min(lo, at)
         self.never = never
@@ -394,10 +408,12 @@ class LiveRun:
             series = RankSeries(np.ascontiguousarray(d["e"][:n, j]), np.ascontiguousarray(v["busy_s"][:, j]),
                                 [np.ascontiguousarray(p[:, j]) for p in phases], full.ref_h[:, g.index[j]],
                                 other_max(stats.top1, stats.top1_at, stats.top2, j), full.peer_phase)  # fmt: skip
-            found += [straggler(int(self.ranks[j]), self.steps, series, a, b, cfg) for a, b in intervals(flags[:, j])]
+            found += [straggler(int(self.ranks[j]), self.steps, series, a, b, cfg, bool(classic[a:b, j].any()))
+                      for a, b in intervals(flags[:, j])]  # fmt: skip
         slowdown = v["busy_s"] / full.ref_h[:, g.index]
         result = verdict(self.ranks, self.steps, found, stats, full, g, cfg, cons.thresholds(self.sc, cfg),  # type: ignore[arg-type]
                          slowdown, flags)  # fmt: skip
+        result.healthy = never
         self.figures = self._figures(mat, result)
         return self._report(mat, result, (self.steps, d["start"][:n], d["end"][:n]))
 
@@ -464,7 +480,7 @@ def read_new(f: Path, state: _File, problem: Callable[[pa.Schema], str | None]) 
 
 def _stats(d: dict[str, np.ndarray], n: int) -> StepStats:
     return StepStats(d["step_med"][:n], d["least"][:n], d["top1"][:n], d["top1_at"][:n], d["top2"][:n],
-                     d["group_med"][:n])  # fmt: skip
+                     d["group_med"][:n], d["top_v"][:n], d["top_c"][:n])  # fmt: skip
 
 
 def _quiet(message: str) -> None:

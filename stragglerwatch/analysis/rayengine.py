@@ -36,7 +36,8 @@ import numpy as np
 
 from stragglerwatch.analysis import consistency, runmatrix
 from stragglerwatch.analysis.detect import StepMatrix, Straggler, straggler, verdict
-from stragglerwatch.analysis.report import RANK_COLUMNS, Analysis, RankFigures, analyze_run, finish
+from stragglerwatch.analysis.jittertax import host_deviations
+from stragglerwatch.analysis.report import RANK_COLUMNS, Analysis, RankFigures, analyze_run, finish, host_names
 from stragglerwatch.analysis.stages import (
     Groups,
     HealthyStats,
@@ -118,13 +119,15 @@ def _round2(state: consistency.BlockState, sc: consistency.Scalars, cfg: DetectC
 
 
 def _round3(state: consistency.BlockState, sc: consistency.Scalars, cfg: DetectConfig, lo: int) -> list:
-    flags = consistency.round3(state, sc, cfg)
-    return [(lo + j, a, b) for j in np.flatnonzero(flags.any(axis=0)) for a, b in intervals(flags[:, j])]
+    levels = consistency.round3(state, sc, cfg)
+    flags, classic = levels > 0, (levels & consistency.AT_CLASSIC) > 0
+    return [(lo + j, a, b, bool(classic[a:b, j].any())) for j in np.flatnonzero(flags.any(axis=0))
+            for a, b in intervals(flags[:, j])]  # fmt: skip
 
 
-def _flag_rows(found: list[tuple[int, int, int | None]], rows: slice, n_ranks: int) -> np.ndarray:
+def _flag_rows(found: list[tuple[int, int, int | None, bool]], rows: slice, n_ranks: int) -> np.ndarray:
     out = np.zeros((rows.stop - rows.start, n_ranks), dtype=bool)
-    for col, a, b in found:
+    for col, a, b, _ in found:
         lo, hi = max(a, rows.start), min(rows.stop if b is None else b, rows.stop)
         if lo < hi:
             out[lo - rows.start : hi - rows.start, col] = True
@@ -140,16 +143,19 @@ def _describe(block: slice, steps: np.ndarray, ranks: np.ndarray, found: list, g
               cfg: DetectConfig, state: consistency.BlockState, *pieces: dict) -> tuple:  # fmt: skip
     busy = np.concatenate([p["busy_s"] for p in pieces])
     ref_h = job["ref_h"]
-    slowdown = nanmedian(busy / ref_h[:, groups.index[block]], axis=0)
+    relative = busy / ref_h[:, groups.index[block]]
+    slowdown = nanmedian(relative, axis=0)
+    healthy = job["healthy"][block]  # the jitter tax's ranks: per step and host, their largest deviation
+    hosts = host_deviations(relative[:, healthy], job["hosts"][block][healthy], job["host_names"])
     out: list[Straggler] = []
-    for col, a, b in found:
+    for col, a, b, classic in found:
         j = col - block.start
         phases = [np.concatenate([p["phases"][c][:, j] for p in pieces]) for c in range(len(pieces[0]["phases"]))]
         series = RankSeries(np.ascontiguousarray(state.e[:, j]), np.ascontiguousarray(busy[:, j]), phases,
                             ref_h[:, groups.index[col]], other_max(job["top1"], job["top1_at"], job["top2"], col),
                             job["peer_phase"])  # fmt: skip
-        out.append(straggler(int(ranks[col]), steps, series, a, b, cfg))
-    return slowdown, out
+        out.append(straggler(int(ranks[col]), steps, series, a, b, cfg, classic))
+    return slowdown, out, hosts
 
 
 # -- the driver -------------------------------------------------------------------------------------
@@ -234,7 +240,7 @@ def analyze_on_ray(
     found_blocks = ray.get([remote["_round3"].remote(r[1], sc, cfg, b.start) for r, b in zip(r1, blocks, strict=True)])
     found = [f for fb in found_blocks for f in fb]
     never = np.ones(len(ranks), dtype=bool)
-    never[[col for col, _, _ in found]] = False
+    never[[col for col, _, _, _ in found]] = False
     say("healthy stage")
     healthy = ray.get([remote["_healthy"].remote(rows, found, never, groups, *[ld[1 + p] for ld in loads])
                        for p, rows in enumerate(parts)])  # fmt: skip
@@ -242,8 +248,10 @@ def analyze_on_ray(
     stats = _concat_stats([s for s, _ in stats_times])
     health = HealthyStats(np.concatenate([h.ref_h for h in healthy]), np.concatenate([h.ref_job for h in healthy]),
                           np.concatenate([h.peer_phase for h in healthy]))  # fmt: skip
+    hosts = host_names(ranks, rank_meta)
     job = {"ref_h": health.ref_h, "top1": stats.top1, "top1_at": stats.top1_at, "top2": stats.top2,
-           "peer_phase": health.peer_phase}  # fmt: skip
+           "peer_phase": health.peer_phase, "healthy": never, "hosts": hosts,
+           "host_names": np.unique(hosts[never])}  # fmt: skip
     job_ref = ray.put(job)
     say("describe")
     described = ray.get([remote["_describe"].remote(b, steps, ranks, fb, groups, job_ref, cfg, r[1],
@@ -252,8 +260,11 @@ def analyze_on_ray(
     summaries = ray.get([ld[0] for ld in loads])
     thresholds = consistency.thresholds(sc, cfg)
     empty = np.zeros((0, 0))
-    result = verdict(ranks, steps, [s for _, d in described for s in d], stats, health, groups, cfg, thresholds,
-                     empty, empty.astype(bool))  # fmt: skip
+    result = verdict(ranks, steps, [s for _, d, _ in described for s in d], stats, health, groups, cfg,
+                     thresholds, empty, empty.astype(bool))  # fmt: skip
+    result.healthy = never
+    if described:
+        result.jitter_hosts, result.jitter_ranks = np.fmax.reduce([h for _, _, h in described]), int(never.sum())
     figures = RankFigures(
         ranks,
         {c: np.concatenate([s["medians"][c] for s in summaries]) for c in RANK_COLUMNS},

@@ -33,6 +33,7 @@ from stragglerwatch.analysis.explain import StepTimes, explain, prepare, span, s
 from stragglerwatch.analysis.hangs import hangs_from_events
 from stragglerwatch.analysis.imbalance import Imbalance
 from stragglerwatch.analysis.imbalance import advice as imbalance_advice
+from stragglerwatch.analysis.jittertax import host_deviations, project_hosts
 from stragglerwatch.analysis.policy import actions_from_events
 from stragglerwatch.analysis.reportschema import (
     REPORT_SCHEMA,
@@ -139,6 +140,7 @@ def build_report(
             episodes=[list(e) for e in s.episodes], host=hosts.get(s.rank),
             lost_gpu_seconds=_num(s.lost_seconds * world, 3),
             time_span=[round(t, 3) for t in window] if window else None, where=s.where, gap_ms=s.gap_ms,
+            saves_seconds=_num(s.saves_seconds, 4), saves_share=_num(s.saves_share, 5),
         ))  # fmt: skip
     roles = {r: m.get("role") for r, m in rank_meta.items()}
     context = prepare(context) if context is not None and not context.empty and stragglers else context  # once
@@ -173,12 +175,47 @@ def build_report(
         ranks=rank_rows(figures, verdict, rank_meta),
         imbalance=None if verdict.imbalance is None or unavailable else imbalance_entry(verdict.imbalance, world),
     )
+    report.lost_split = None if unavailable else lost_split(verdict)
+    report.jitter_tax = None if unavailable else jitter_projection(verdict, figures, rank_meta)
     if unavailable:  # every figure that compares busy times would be a guess
         report.ideal_seconds = report.job_slowdown = report.lost_seconds = report.lost_gpu_seconds = None
         report.communication_bound = report.comm_fraction = None
         for row in report.ranks:
             row.slowdown, row.flagged = None, False
     return report
+
+
+def lost_split(verdict: Verdict) -> dict[str, float]:
+    """Where the job's lost time went: what fixing the flagged stragglers would save, what unequal work cost
+    (where detected), and the rest, jitter: at every step some rank is the slowest by chance."""
+    stragglers = float(sum(s.saves_seconds for s in verdict.stragglers))
+    im = verdict.imbalance
+    imbalance = float(im.lost_seconds or 0.0) if im is not None and im.detected else 0.0
+    lost = float(verdict.lost_seconds)
+    stragglers = min(stragglers, lost)
+    imbalance = min(imbalance, lost - stragglers)
+    return {"stragglers": round(stragglers, 4), "imbalance": round(imbalance, 4),
+            "jitter": round(max(0.0, lost - stragglers - imbalance), 4)}  # fmt: skip
+
+
+def jitter_projection(verdict: Verdict, figures: RankFigures, rank_meta: dict[int, dict]) -> dict | None:
+    """The jitter tax at 2, 8 and 64 times today's ranks (``jittertax.py``), from the ranks never flagged."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = float(np.nanmedian(figures.medians["busy_s"]) / np.nanmedian(figures.medians["step_s"]))
+    share = share if np.isfinite(share) and share > 0 else 1.0
+    if verdict.jitter_hosts is not None:  # the Ray engine's, reduced over its rank blocks
+        return project_hosts(verdict.jitter_hosts, verdict.jitter_ranks, share).to_dict()
+    if verdict.slowdown.ndim != 2 or verdict.slowdown.shape[1] != len(verdict.ranks) or not verdict.slowdown.size:
+        return None
+    healthy = verdict.healthy if verdict.healthy is not None else np.ones(len(verdict.ranks), dtype=bool)
+    hosts = host_names(verdict.ranks[healthy], rank_meta)
+    per_host = host_deviations(verdict.slowdown[:, healthy], hosts)
+    return project_hosts(per_host, int(healthy.sum()), share).to_dict()
+
+
+def host_names(ranks: np.ndarray, rank_meta: dict[int, dict]) -> np.ndarray:
+    """Each rank's host (its rank, where the host is not known): the units the jitter tax draws."""
+    return np.array([str(rank_meta.get(int(r), {}).get("host") or f"rank {int(r)}") for r in ranks])
 
 
 def imbalance_entry(im: Imbalance, world: int) -> ImbalanceEntry:

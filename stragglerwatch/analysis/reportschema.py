@@ -56,6 +56,10 @@ class StragglerEntry:
     code: list[CodeSite] = field(default_factory=list)  # the code locations of its excess, best first
     code_note: str | None = None  # why ``code`` is empty
     hints: list[str] = field(default_factory=list)  # what to try, from what was measured
+    # what fixing it would save the job (the costlier stragglers fixed first: ``analysis/cost.py``), in
+    # seconds and as a share of the job's time while it was flagged
+    saves_seconds: float | None = None
+    saves_share: float | None = None
 
 
 @dataclass
@@ -164,6 +168,11 @@ class Report:
     imbalance: ImbalanceEntry | None = None  # None: no work per step was recorded
     actions: list[dict[str, Any]] = field(default_factory=list)  # the policies' (``policy.actions_from_events``)
     arrivals: dict[str, Any] | None = None  # the arrival order at the collectives (``arrivals.py``), when recorded
+    # where ``lost_seconds`` went: ``stragglers`` (what fixing the flagged ones would save), ``imbalance``
+    # (unequal work), ``jitter`` (the rest: whichever rank is slowest at a step, by chance)
+    lost_split: dict[str, float] | None = None
+    # the time jitter alone would cost at 2, 8 and 64 times today's ranks (``jittertax.py``)
+    jitter_tax: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # an op-level trace's what-if
     schema: str = REPORT_SCHEMA
 
@@ -200,8 +209,8 @@ class Report:
 
 
 #: Keys the JSON has only when the analysis had their source.
-_OPTIONAL = {"arrivals", "run_dir", "events", "attempts", "log_events", "first_failure", "log_lines",
-             "log_skipped_lines", "flight_recorder", "hang_verdict", "imbalance"}
+_OPTIONAL = {"arrivals", "lost_split", "jitter_tax", "run_dir", "events", "attempts", "log_events",
+             "first_failure", "log_lines", "log_skipped_lines", "flight_recorder", "hang_verdict", "imbalance"}
 
 
 def _plain(value: Any) -> Any:

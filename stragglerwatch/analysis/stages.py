@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import bottleneck as bn
 import numpy as np
 
+from stragglerwatch.analysis.cost import TOP_K, top_k
 from stragglerwatch.analysis.intermittent import BLOCK
 from stragglerwatch.record.schema import GAP_COLUMNS, GAP_TEXT, GAPS
 
@@ -80,6 +81,8 @@ class StepStats:
     top1_at: np.ndarray
     top2: np.ndarray
     group_med: np.ndarray  # steps x groups: each group's median busy time
+    top_v: np.ndarray  # steps x groups x ``cost.TOP_K``: each group's busiest busy times (descending), and
+    top_c: np.ndarray  # their columns
 
 
 def peer_reference(busy: np.ndarray, members: np.ndarray) -> np.ndarray:
@@ -101,8 +104,9 @@ def peer_reference(busy: np.ndarray, members: np.ndarray) -> np.ndarray:
 def step_stage(
     busy: np.ndarray, step_s: np.ndarray, comm_wait: np.ndarray, groups: Groups, cfg: DetectConfig
 ) -> tuple[np.ndarray, np.ndarray, StepStats]:
-    """The excess ``e = busy / peers' median - 1``, whether it is ``costly`` (a noticeable part of
-    the step), and the step's figures. Arrays: steps x ranks of one step part."""
+    """The excess ``e = busy / peers' median - 1``, its ``cost``: the share of the step it is (float32;
+    ``consistency`` compares it with the run's floor), and the step's figures. Arrays: steps x ranks of one
+    step part."""
     ref = np.full_like(busy, np.nan)
     for idx in groups.members:
         if len(idx):
@@ -111,7 +115,7 @@ def step_stage(
         excess = busy / ref - 1.0
     step_med = nanmedian(step_s, axis=1)
     with np.errstate(invalid="ignore"):
-        costly = excess * ref > cfg.min_step_fraction * step_med[:, None]
+        costly = (excess * ref / step_med[:, None]).astype(np.float32)
     del ref
     n, r = busy.shape
     filled = np.where(np.isnan(busy), -np.inf, busy)
@@ -130,7 +134,13 @@ def step_stage(
     # imbalance (a whole slow group is slow in every member)
     group_med = (np.column_stack([lower_median(busy[:, idx]) for idx in groups.members])
                  if len(groups.members) > 1 else np.zeros((n, 1)))  # fmt: skip
-    return excess, costly, StepStats(step_med, least, top1, top1_at.astype(np.int64), top2, group_med)
+    filled = np.where(np.isnan(busy), -np.inf, busy)
+    tops = [top_k(filled[:, idx]) for idx in groups.members]  # the busiest of each group, columns job-wide
+    top_v = np.stack([v for v, _ in tops], axis=1) if tops else np.full((n, 0, TOP_K), -np.inf)
+    top_c = (np.stack([np.where(c >= 0, np.asarray(idx)[np.maximum(c, 0)], -1) for (_, c), idx in
+                       zip(tops, groups.members, strict=True)], axis=1)
+             if tops else np.full((n, 0, TOP_K), -1, dtype=np.int64))  # fmt: skip
+    return excess, costly, StepStats(step_med, least, top1, top1_at.astype(np.int64), top2, group_med, top_v, top_c)
 
 
 @dataclass

@@ -62,7 +62,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         print("stragglerwatch: error: give a RUN_DIR, --logs FILE..., --fr DIR, or several", file=sys.stderr)
         return 2
     config = DetectConfig(window=args.window, level_window=args.level_window, min_slowdown=args.min_slowdown,
-                          tolerance=args.tolerance, z=args.z, decision=args.decision)  # fmt: skip
+                          tolerance=args.tolerance, z=args.z, decision=args.decision,
+                          min_cost_share=args.min_cost_share)  # fmt: skip
     if args.run_dir is not None and Path(args.run_dir).is_file():  # an op-level trace
         from stragglerwatch.evidence.traces import TraceError, analyze_trace
 
@@ -304,11 +305,16 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
                    help="steps a slowdown must persist over: the short median (default 16)")  # fmt: skip
     p.add_argument("--level-window", type=int, default=64,
                    help="steps of the level median and of each rank's own baseline (default 64)")  # fmt: skip
-    p.add_argument("--min-slowdown", type=float, default=0.06,
-                   help="smallest change of a rank's busy time that is flagged (default 0.06 = 6%%)")  # fmt: skip
-    p.add_argument("--tolerance", type=float, default=0.05,
+    p.add_argument("--min-slowdown", type=float, default=None,
+                   help="smallest change of a rank's busy time that is flagged; default: from the run's noise, "
+                   "3 times its per-step jitter within 2-6%%, flags below 6%% only where they cost the job at "
+                   "least --min-cost-share (0.06: the fixed floor of earlier releases)")  # fmt: skip
+    p.add_argument("--tolerance", type=float, default=None,
                    help="a rank up to this much slower than its peers from the start is healthy hardware "
-                   "variation, never flagged (default 0.05)")  # fmt: skip
+                   "variation, never flagged (default: 5/6 of the smallest change flagged)")  # fmt: skip
+    p.add_argument("--min-cost-share", type=float, default=0.005,
+                   help="below the fixed 6%% floor, a flag must save the job at least this share of its time "
+                   "while it lasts, were its rank as fast as its peers (default 0.005 = 0.5%%)")  # fmt: skip
     p.add_argument("--z", type=float, default=5.0,
                    help="noise margin of the level test in standard errors (default 5)")  # fmt: skip
     p.add_argument("--decision", type=float, default=14.0,

@@ -81,6 +81,7 @@ def render_html(analysis: Analysis) -> str:
                     ("detected_step", "detected at"),
                     ("lost_seconds", "time lost (s)"),
                     ("lost_gpu_seconds", "GPU-s lost"),
+                    ("saves_seconds", "fixing it saves (s)"),
                     ("why", "host and GPU context"),
                     ("code", "where in the code"),
                     ("try", "what to try"),

@@ -85,7 +85,7 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
             lines.append(
                 f"  rank {s['rank']} is {s['slowdown']:.2f}x as busy as its peers{same} {_steps(s)}; "
                 f"cause: {s['cause']} ({where}+{excess:.1f} ms/step); cost {_duration(s['lost_seconds'])} "
-                f"({s['lost_gpu_seconds']:.0f} GPU-s)"
+                f"({s['lost_gpu_seconds']:.0f} GPU-s){_saves(s)}"
             )
             why = context_text(s)
             if why:
@@ -121,13 +121,46 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
         return lines
     ideal = ("if every op took its typical time (what-if replay)" if "whatif_verdict" in report
              else "if every rank ran at its peers' median")  # fmt: skip
-    lost_to = _lost_to(report)
+    split = report.get("lost_split")
+    lost_to = _split_text(split) if split and "whatif_verdict" not in report else f" to {_lost_to(report)}"
     lines.append(
         f"job slowdown S = {report['job_slowdown']:.3f}: {_duration(report['job_seconds'])} actual vs "
         f"{_duration(report['ideal_seconds'])} {ideal} "
-        f"({_duration(report['lost_seconds'])} lost to {lost_to}, {report['lost_gpu_seconds']:.0f} GPU-s)"
+        f"({_duration(report['lost_seconds'])} lost{lost_to}; {report['lost_gpu_seconds']:.0f} GPU-s)"
     )
+    lines += jitter_tax_lines(report)
     return lines
+
+
+def jitter_tax_lines(report: dict[str, Any]) -> list[str]:
+    """What jitter alone would cost as the job grows (``jittertax.py``), where projected."""
+    tax = report.get("jitter_tax") or {}
+    if tax.get("note"):
+        return [f"jitter tax as the job grows: not projected ({tax['note']})."]
+    points = tax.get("projections") or []
+    if len(points) < 2:
+        return []
+    now, later = points[0], points[1:]
+    parts = [f"{p['share']:.1%} at {p['ranks']:,} ranks ({p['low']:.1%}-{p['high']:.1%}"
+             + (", beyond the run's data: at least" if p.get("beyond_data") else "") + ")" for p in later]  # fmt: skip
+    return [f"jitter tax as the job grows (this run's noise, slowest of more ranks): {now['share']:.1%} of each "
+            f"step at {now['ranks']:,} ranks today; " + ", ".join(parts) + " (90% range)."]  # fmt: skip
+
+
+def _saves(s: dict[str, Any]) -> str:
+    """What fixing a straggler would save, where known (reports of earlier releases do not say)."""
+    if s.get("saves_seconds") is None:
+        return ""
+    return f"; fixing it saves {_duration(s['saves_seconds'])} ({s['saves_share']:.1%} of the job's time while slow)"
+
+
+def _split_text(split: dict[str, float]) -> str:
+    """Where the lost time went, the parts in words."""
+    parts = [f"{_duration(split.get('stragglers', 0.0))} to the flagged stragglers"]
+    if split.get("imbalance"):
+        parts.append(f"{_duration(split['imbalance'])} to unequal work")
+    parts.append(f"{_duration(split.get('jitter', 0.0))} to jitter (whichever rank is slowest at a step)")
+    return ": " + ", ".join(parts)
 
 
 def imbalance_lines(report: dict[str, Any]) -> list[str]:

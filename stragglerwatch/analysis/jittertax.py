@@ -1,0 +1,116 @@
+"""The jitter tax as the job grows: what the slowest of more ranks would cost, from this run's noise. Pure.
+
+Every step waits for the slowest rank, so even with nobody broken a job loses, at each step, the slowest
+rank's excess over the typical one. The slowest of 512 ranks is further out than the slowest of 8: the
+tax grows with the number of ranks, and how fast depends on the tails of the per-rank noise and on how
+much a host's ranks vary together.
+
+Method: per step, each healthy rank's deviation from the step's median busy time (relative, the rank's
+lasting offset taken out: the tax of noise, not of a slower rank); per step and host, the largest of its
+ranks' (a host's ranks drawn together keep their correlation). A job of ``M`` hosts draws ``M`` of these
+at random (from any step): the expected largest of ``M`` independent draws from the pooled values is exact
+from their sorted order (``E[max] = sum x_(i) ((i/n)^M - ((i-1)/n)^M)``). The share of the step is that
+times the median busy time over the median step time. The uncertainty comes from resampling the run's
+steps (blocks of steps, so that slow stretches stay together). A deviation counts up to one step's length, as
+the job's lost time does. Where a projection draws more hosts than
+the run has values, the run's largest deviation bounds it and the projection says so (``beyond_data``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+#: The job sizes projected, as multiples of today's ranks.
+SCALES = (1, 2, 8, 64)
+#: Resamples of the run's steps for the uncertainty, and the steps per resampled block.
+RESAMPLES, BLOCK = 40, 25
+
+
+@dataclass
+class Projection:
+    ranks: int
+    share: float  # expected share of each step lost to jitter alone
+    low: float  # 5th and 95th percentiles over the resamples
+    high: float
+    beyond_data: bool = False  # draws more hosts than the run holds values: a lower bound
+
+
+@dataclass
+class JitterTax:
+    ranks: int
+    hosts: int  # the units drawn together (hosts, or ranks where hosts are not known)
+    steps: int
+    projections: list[Projection] = field(default_factory=list)
+    method: str = ""
+    note: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def expected_max(sorted_values: np.ndarray, draws: float) -> float:
+    """The expected largest of ``draws`` independent draws from the (sorted) values."""
+    n = len(sorted_values)
+    if n == 0:
+        return float("nan")
+    cdf = np.arange(0, n + 1, dtype=float) / n
+    weights = np.diff(cdf**draws)
+    return float(np.dot(weights, sorted_values))
+
+
+def host_deviations(relative: np.ndarray, hosts: np.ndarray, names: np.ndarray | None = None) -> np.ndarray:
+    """Steps x hosts (``names``, default: the distinct ``hosts``): the largest deviation of a host's ranks,
+    each rank's own lasting offset taken out (``relative``: steps x ranks, busy over the healthy peers'
+    reference of the step; NaN: no record). Per-block results combine with ``np.fmax``."""
+    with np.errstate(invalid="ignore"):
+        offset = np.nanmedian(relative, axis=0, keepdims=True) if relative.size else relative[:1]
+    dev = relative - offset  # a rank's lasting offset is not jitter
+    names = np.unique(hosts) if names is None else names
+    out = np.full((relative.shape[0], len(names)), np.nan)
+    for k, name in enumerate(names):
+        cols = dev[:, hosts == name]
+        if not cols.shape[1]:  # none of its ranks here (a rank block of the Ray engine)
+            continue
+        ok = np.isfinite(cols).any(axis=1)
+        out[ok, k] = np.nanmax(cols[ok], axis=1)
+    return out
+
+
+def project(relative: np.ndarray, hosts: np.ndarray, busy_share: float, seed: int = 0) -> JitterTax:
+    """The jitter tax at :data:`SCALES` times today's ranks. ``relative``: steps x ranks of the healthy ranks,
+    busy time over the step's reference; ``hosts``: each column's host (or its rank, where hosts are not
+    known); ``busy_share``: median busy time over median step time (a busy excess becomes a step's)."""
+    return project_hosts(host_deviations(relative, hosts), relative.shape[1], busy_share, seed)
+
+
+def project_hosts(per_host: np.ndarray, ranks: int, busy_share: float, seed: int = 0) -> JitterTax:
+    """:func:`project` from the steps x hosts deviations (:func:`host_deviations`) of ``ranks`` ranks."""
+    hosts_now = per_host.shape[1]
+    tax = JitterTax(ranks=ranks, hosts=hosts_now, steps=per_host.shape[0],
+                    method="expected slowest of N hosts, drawn from this run's per-step host deviations "
+                    "(each rank's lasting offset removed), x median busy / median step; 90% range from "
+                    f"{RESAMPLES} resamples of {BLOCK}-step blocks")  # fmt: skip
+    if ranks < 2 or hosts_now < 1 or per_host.shape[0] < 2 * BLOCK:
+        tax.note = "too few ranks or steps to measure the noise"
+        return tax
+    rng = np.random.default_rng(seed)
+    # a step loses at most its own length to one slow rank (the job's loss is counted so, ``detect.verdict``)
+    per_host = np.minimum(per_host, 1.0 / busy_share if busy_share > 0 else np.inf)
+    blocks = max(1, per_host.shape[0] // BLOCK)
+    pool = np.sort(per_host[np.isfinite(per_host)])
+    for scale in SCALES:
+        draws = hosts_now * scale
+        point = expected_max(pool, draws) * busy_share
+        samples = []
+        for _ in range(RESAMPLES):
+            pick = rng.integers(0, blocks, size=blocks)
+            rows = (pick[:, None] * BLOCK + np.arange(BLOCK)[None, :]).ravel()
+            values = per_host[rows[rows < per_host.shape[0]]]
+            samples.append(expected_max(np.sort(values[np.isfinite(values)]), draws) * busy_share)
+        low, high = np.percentile(samples, [5, 95])
+        tax.projections.append(Projection(ranks=ranks * scale, share=round(max(0.0, point), 6),
+                                          low=round(max(0.0, float(low)), 6), high=round(max(0.0, float(high)), 6),
+                                          beyond_data=draws > len(pool)))  # fmt: skip
+    return tax
