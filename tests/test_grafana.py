@@ -127,7 +127,8 @@ def check_run_dashboard(base: str, run_id: str, mode: str, started: float) -> No
             if "stragglerwatch_gpu_" in target["expr"]:  # only GPU ranks have it: test_context_grafana.py
                 continue
             expr = substitute(target["expr"], run_id)
-            result = prom_api(base, expr) if target.get("instant") else query_range(base, expr)
+            # over the job's whole life: an event (the stall's annotation) can be older than any fixed window
+            result = prom_api(base, expr) if target.get("instant") else query_range(base, expr, minutes=whole_job)
             result = [s for s in result if s["metric"].get("run", run_id) == run_id]  # the overview's: all runs
             assert result, f"{mode}: {name}: {where} returned no data: {expr}"
             for label in re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")):
