@@ -22,7 +22,7 @@ class DetectConfig:
     most_slowdown: float = 0.06  # on a noisy run, the fixed floor of earlier releases
     noise_multiple: float = 3.0  # the smallest change flagged, in per-step noise units
     z: float = 5.0  # noise margin of the level test, in standard errors of its median
-    decision: float = 14.0  # CUSUM alarm level in nats (log-likelihood ratio of a 6% change to a 2% one)
+    decision: float = 14.0  # CUSUM alarm level in nats (log-likelihood ratio of a change of the floor to a third of it)
     clip: float = 4.0  # largest weight of one step in the CUSUM, in noise units
     off_ratio: float = 0.5  # a flag clears below this fraction of its threshold
     # the excess must also cost at least this fraction of the step; None: half the smallest change

@@ -318,8 +318,9 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--z", type=float, default=5.0,
                    help="noise margin of the level test in standard errors (default 5)")  # fmt: skip
     p.add_argument("--decision", type=float, default=14.0,
-                   help="evidence the change test needs, in nats of log-likelihood ratio between a 6%% and a "
-                   "2%% change (default 14); lower finds changes sooner, higher flags less")  # fmt: skip
+                   help="evidence the change test needs, in nats of log-likelihood ratio between a change of "
+                   "the floor (--min-slowdown) and one of a third of it (default 14); lower finds changes "
+                   "sooner, higher flags less")  # fmt: skip
     p.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="where the analysis runs: local (this process, the default) or ray (tasks on a Ray "
                    "cluster, for runs too large for one machine; same report; needs stragglerwatch[ray], the "

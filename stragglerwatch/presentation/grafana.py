@@ -165,8 +165,14 @@ def run_dashboard() -> dict[str, Any]:
             target(f"(max({BUSY}) - quantile(0.5, {BUSY})) / quantile(0.5, {STEP})", "share of step time"),
             target(f"(max({BUSY}) - quantile(0.5, {BUSY})) / quantile(0.5, {STEP}) * count({BUSY})",
                    "GPU-seconds lost per second", "B"),
+            target(f"(max({BUSY}) - max({BUSY} unless topk(1, {BUSY}))) / quantile(0.5, {STEP})",
+                   "fixing the slowest rank saves", "C"),
+            target(f"(max({BUSY} unless topk(1, {BUSY})) - quantile(0.5, {BUSY})) / quantile(0.5, {STEP})",
+                   "left: the next rank and jitter", "D"),
         ], fieldConfig=_unit("percentunit"),
-            description="What-if: each step without the slowest rank's excess over the median."),
+            description="What-if: each step without the slowest rank's excess over the median; split into what "
+            "fixing the slowest rank would save (down to the next slowest) and what is left (the next rank, "
+            "jitter). Over the rate window, per-step jitter averages out: the report's split (analyze) is per step."),
         panel(10, "Firing alerts", "table", (0, 41, 24, 6), [
             target(f'ALERTS{{{RUN}, alertstate="firing"}}', "{{alertname}} rank {{rank}}", instant=True, table=True),
         ], links=[RULES_LINK]),
