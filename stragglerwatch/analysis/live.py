@@ -77,7 +77,7 @@ from stragglerwatch.record.steplog import RunDirWarning, conform, read_log, run_
 
 SCALAR_RANKS = 256  # ranks the followed run's scalars are estimated from
 RESERVE = 16384  # steps of room the arrays are made with
-_NAMES = [*ID_COLUMNS, *VALUE_COLUMNS]
+NAMES = [*ID_COLUMNS, *VALUE_COLUMNS]
 
 
 class _Restart(Exception):
@@ -103,6 +103,21 @@ def changed(files: Iterable[Path], seen: dict[str, _File]) -> Iterator[tuple[Pat
         state = seen.setdefault(f.stem, _File())
         if (st.st_size, st.st_mtime_ns) != (state.size, state.mtime):
             yield f, state, st
+
+
+def read_changed(files: Iterable[Path], seen: dict[str, _File]) -> list[tuple[Path, pa.Table]] | None:
+    """The new batches of the step logs among ``files`` that changed since ``seen`` recorded them: a Parquet
+    log whole, as this schema's columns; a stream from where the last read stopped, as written (the caller
+    conforms it). None where a stream shrank (rewritten: read the run again)."""
+    out = []
+    for f, state, st in changed(files, seen):
+        if f.suffix == ".arrows" and st.st_size < state.size:
+            return None
+        table = read_log(f, NAMES, quiet) if f.suffix == ".parquet" else read_new(f, state, schema_compatible)
+        state.size, state.mtime = st.st_size, st.st_mtime_ns
+        if table is not None:
+            out.append((f, table))
+    return out
 
 
 @dataclass
@@ -219,15 +234,10 @@ class LiveRun:
             _, _, files = run_files(self.run_dir)
         except Exception:  # noqa: BLE001 - not a run dir yet: nothing to read
             return None
-        tables = []
-        for f, state, st in changed(files, self.files):
-            if f.suffix == ".arrows" and st.st_size < state.size:
-                raise _Restart
-            table = self._read(f, state)
-            state.size, state.mtime = st.st_size, st.st_mtime_ns
-            if table is not None:
-                tables.append(table)
-        tables = self._conform(tables)
+        read = read_changed(files, self.files)
+        if read is None:
+            raise _Restart
+        tables = self._conform([t for _, t in read])
         lo: int | None = None
         if tables:
             found = np.unique(np.concatenate([t["rank"].to_numpy() for t in tables])).astype(np.int64)
@@ -243,12 +253,12 @@ class LiveRun:
         the same schema (upgrading a small table costs as much as a large one)."""
         out, groups = [], {}
         for t in tables:
-            if t.column_names == _NAMES:  # read from Parquet: already conformed
+            if t.column_names == NAMES:  # read from Parquet: already conformed
                 out.append(t)
             else:
                 groups.setdefault(t.schema.to_string(show_schema_metadata=False), []).append(t)
         for group in groups.values():
-            t = conform(pa.concat_tables(group), _NAMES, self.run_dir, _quiet)
+            t = conform(pa.concat_tables(group), NAMES, self.run_dir, quiet)
             if t is not None:
                 out.append(t)
         return out
@@ -266,11 +276,6 @@ class LiveRun:
         self.det, self.sc, self.sc_steps, self.never = _Rows(), None, 0, None
         self.checkpoints = [{}, {}]
         return 0
-
-    def _read(self, f: Path, state: _File) -> pa.Table | None:
-        if f.suffix == ".parquet":
-            return read_log(f, _NAMES, _quiet)
-        return read_new(f, state, schema_compatible)
 
     def _scatter(self, table: pa.Table) -> int | None:
         keys = attempt_keys(table)
@@ -483,5 +488,5 @@ def _stats(d: dict[str, np.ndarray], n: int) -> StepStats:
                      d["group_med"][:n], d["top_v"][:n], d["top_c"][:n])  # fmt: skip
 
 
-def _quiet(message: str) -> None:
+def quiet(message: str) -> None:
     """A live run misses ranks and cuts batches in half: normal, not worth a warning."""

@@ -39,29 +39,23 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from stragglerwatch.analysis.detect import StepMatrix, detect
-from stragglerwatch.analysis.live import _File, changed, read_new
+from stragglerwatch.analysis.live import NAMES, _File, changed, quiet, read_changed, read_new
 from stragglerwatch.analysis.policy import START_SKIP, START_STEPS, start_profile, view
 from stragglerwatch.analysis.report import RankFigures, analyze_run, arrival_check, build_report, step_times
 from stragglerwatch.analysis.reportschema import Attempt
-from stragglerwatch.analysis.runmatrix import FLOAT64_COLUMNS, ID_COLUMNS, VALUE_COLUMNS, attempt_keys, attempt_list
+from stragglerwatch.analysis.runmatrix import FLOAT64_COLUMNS, VALUE_COLUMNS, attempt_keys, attempt_list
 from stragglerwatch.analysis.thresholds import DetectConfig
 from stragglerwatch.record.collectives import CollectiveReader
 from stragglerwatch.record.context import as_schema, context_files, read_file, schema_problem
 from stragglerwatch.record.rundir import read_rank_meta, read_run_meta
-from stragglerwatch.record.schema import schema_compatible
-from stragglerwatch.record.steplog import RunDirWarning, conform, read_log, run_files, work_unit
+from stragglerwatch.record.steplog import RunDirWarning, conform, run_files, work_unit
 
 #: Steps of every rank the live analysis keeps (``straggler_window_steps``).
 WINDOW_STEPS = 2000
 #: Context and collectives kept from this many seconds before the window's first step.
 PAD_S = 30.0
-_NAMES = [*ID_COLUMNS, *VALUE_COLUMNS]
 _KEY = 65536  # attempt key = restart * _KEY + attach (``runmatrix``)
 _START_COLS = ["rank", "step", "restart", "attach", "busy_s", "data_wait_s", "other_s"]
-
-
-def _quiet(message: str) -> None:
-    """A live run misses ranks and cuts batches in half: normal, not worth a warning."""
 
 
 class _Reset(Exception):
@@ -137,16 +131,12 @@ class WindowRun:
             _, _, files = run_files(self.run_dir)
         except Exception:  # noqa: BLE001 - not a run dir yet: nothing to read
             return False
+        read = read_changed(files, self.files)
+        if read is None:
+            raise _Reset
         tables = []
-        for f, state, st in changed(files, self.files):
-            if f.suffix == ".arrows" and st.st_size < state.size:
-                raise _Reset
-            if f.suffix == ".parquet":
-                table = read_log(f, _NAMES, _quiet)
-            else:
-                raw = read_new(f, state, schema_compatible)
-                table = conform(raw, _NAMES, f, _quiet) if raw is not None else None
-            state.size, state.mtime = st.st_size, st.st_mtime_ns
+        for f, raw in read:
+            table = raw if f.suffix == ".parquet" else conform(raw, NAMES, f, quiet)
             if table is not None and table.num_rows:
                 kept = self._keep(table)
                 if kept is not None:
