@@ -379,26 +379,26 @@ def test_pauses_a_few_seconds_apart_are_hangs_of_their_own() -> None:
     """Rank 0 saves a checkpoint (10 s), trains 3 steps, holds the GIL 5 s, trains 3 steps, compiles: rank 1
     stalls behind each pause, less than the clustering gap (10 s) after its previous diagnosis. Each pause
     ended (its stalls recovered) before the next stall was noticed, at a later step: three hangs. While
-    rank 0 held the GIL, its note in the store was the one its watchdog wrote as the checkpoint's stall
-    ended (step 10, before the hold), not the checkpoint's: the hold is at step 10, not at step 7."""
+    rank 0 held the GIL, its note in the store was still the checkpoint's, written before rank 1's stall
+    ended: rank 1's watchdog recorded it as unheard (None), so the hold is at step 10 with rank 0 silent,
+    not at step 7."""
     events = _stall_and_diagnosis(0, 7, "data_wait", 49.0, 51.0, 12)
     events += _stall_and_diagnosis(1, 7, "collective_wait", 49.0, 51.2, 13)
     events[1]["peers"]["1"] = {**events[3]["peers"]["1"]}
     events[3]["peers"]["0"] = {**events[1]["peers"]["0"]}
-    moved_on = {**st(10, "data_wait", **{"0": 16}), "since": 59.05, "at": 59.1}  # written at its recovery
     def recovery(rank: int, stall_id: str, step: int, phase: str, at: float) -> dict:
         return {"kind": "recovery", "rank": rank, "stall_id": stall_id, "step": step, "phase": phase, "detected_at": at}
 
     events += [recovery(1, "1-7-49", 9, "backward", 59.05), recovery(0, "0-7-49", 10, "data_wait", 59.1)]
     held = _stall_and_diagnosis(1, 10, "collective_wait", 59.05, 61.06, 17)
     held[0]["completed"] = {"0": 16}
-    held[1]["peers"] = {"0": moved_on, "1": {**held[1]["peers"]["1"], "completed": {"0": 16}}}
+    held[1]["peers"] = {"0": None, "1": {**held[1]["peers"]["1"], "completed": {"0": 16}}}
     events += [*held, recovery(1, "1-10-59", 13, W, 64.3)]
     events += _stall_and_diagnosis(1, 13, "collective_wait", 64.2, 66.27, 21)
     events += _stall_and_diagnosis(0, 13, "data_wait", 64.2, 66.36, 20)
     checkpoint, native, compile_ = hangs_from_events(events, 2)  # fmt: skip
     assert (checkpoint["culprit_ranks"], checkpoint["step"], checkpoint["recovered"]) == ([0], 7, True)
-    assert (native["culprit_ranks"], native["victim_ranks"], native["step"]) == ([0], [1], 10)
+    assert (native["culprit_ranks"], native["silent_ranks"], native["step"]) == ([0], [0], 10)
     assert (compile_["culprit_ranks"], compile_["victim_ranks"], compile_["step"]) == ([0], [1], 13)
     # the same events without the recoveries: nothing says the job moved on in between, one hang
     assert len(hangs_from_events([e for e in events if e["kind"] != "recovery"], 2)) == 1

@@ -272,11 +272,6 @@ class Watchdog:
         self._recovered_at = time.time()
         self.sampler.end()
         self._peers.forget()
-        if self.board is not None and "note" in stall:  # the note of the stall is over: where this rank is now
-            step, phase, since = self.probe.where
-            self.board.publish({"step": step, "phase": phase, "since": since + self._wall, "at": time.time(),
-                                "moved_on": True, "collectives": collective_counts(), **self._progress(),
-                                **self._me})  # fmt: skip
 
     def _counters(self) -> Any:
         """The job's own counters at a stall sample: collectives issued, started and completed, the GPU's
@@ -400,12 +395,11 @@ class Watchdog:
                 self._stall["who"] = {r: {k: n.get(k) for k in keys} for r, n in states.items() if n}
             if states is not None:  # notes from an older stall, or of no stall, do not speak for this one:
                 # nor any written before this rank's last stall ended (what ended it, its peers' progress,
-                # came after them; a rank that moved on and then held the GIL could not write a newer one)
-                # (a note written as a stall ended says where that rank went on to: it holds from then)
-                base = stall["since"] - stall["threshold_s"]
-                states = {r: s if s and s.get("phase") != "idle"
-                          and s.get("at", 0) >= (base if s.get("moved_on") else max(base, self._recovered_at))
-                          else None for r, s in states.items()}  # fmt: skip
+                # came after them; a rank that moved on and then held the GIL could not write a newer one:
+                # it is unheard, a silent culprit)
+                horizon = max(stall["since"] - stall["threshold_s"], self._recovered_at)
+                states = {r: s if s and s.get("phase") != "idle" and s.get("at", 0) >= horizon else None
+                          for r, s in states.items()}  # fmt: skip
                 states[self.rank] = own
         if states is None:  # store unreachable (rank 0's host dead?): what this rank knows itself
             verdict, evidence = local_verdict({self.rank: own}, self.world_size), "local"
