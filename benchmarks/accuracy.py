@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stragglerwatch.analysis.detect import Straggler, detect
+from stragglerwatch.analysis.detect import Straggler, Verdict, detect
 from stragglerwatch.analysis.thresholds import DetectConfig, classic_floors
 from stragglerwatch.record.simulate import (
     CAUSE_PHASES,
@@ -142,12 +142,13 @@ def imbalance_run(cfg: SimConfig, row: ImbalanceRow, level_of: Callable[[SimConf
     level, tol = (level_of or true_level)(cfg), classic_floors(DetectConfig()).tolerance
     row.runs += 1
     slowed = {i.rank: i.onset for i in cfg.injections}
-    for s in verdict.stragglers:
+    flags = flagged(verdict)
+    for s in flags:
         if not (s.rank in slowed and s.detected_step >= slowed[s.rank]):
             row.false_flags += 1
             row.drifted_flags += drifted(s, level, tol)
     for inj in cfg.injections:
-        mine = [s for s in verdict.stragglers if s.rank == inj.rank and s.detected_step >= inj.onset]
+        mine = [s for s in flags if s.rank == inj.rank and s.detected_step >= inj.onset]
         row.found_rank += bool(mine)
         row.found += any(s.cause == inj.cause for s in mine)
     found = getattr(verdict, "imbalance", None)
@@ -229,7 +230,20 @@ def trial(ranks: int, steps: int, seed: int, noise: float, healthy: bool) -> tup
     cfg = SimConfig(ranks=ranks, steps=steps, seed=seed, noise=noise, spike_prob=0.005, spike_mag=1.0,
                     injections=injections)  # fmt: skip
     verdict = detect(to_frame(cfg))
-    return injections, verdict.stragglers
+    return injections, flagged(verdict)
+
+
+def flagged(verdict: Verdict) -> list[Straggler]:
+    """Each flag of ``verdict``: a straggler's episodes a short pause apart joined (``Straggler.spells``), so
+    that a flag raised before an injection's onset and one raised after it are told apart, as the
+    verdicts of earlier releases (one per spell) told them. The brief flags of negligible cost that the
+    verdict keeps as details (``Verdict.minor``) are flags too: they are counted, not hidden."""
+    return [spell for s in verdict.stragglers + verdict.minor for spell in s.spells(DetectConfig().window)]
+
+
+def brief(verdict: Verdict) -> list[Straggler]:
+    """The flags of :func:`flagged` that the verdict keeps as details (brief, of negligible cost)."""
+    return [spell for s in verdict.minor for spell in s.spells(DetectConfig().window)]
 
 
 def true_level(cfg: SimConfig) -> np.ndarray | None:
@@ -287,7 +301,7 @@ def model_table(ranks: int, steps: int, trials: int, healthy: int, models: list[
             seed += 1
             cfg = SimConfig(ranks=ranks, steps=steps, seed=seed, **kw)
             level = true_level(cfg)
-            for flag in detect(to_frame(cfg)).stragglers:
+            for flag in flagged(detect(to_frame(cfg))):
                 false += 1
                 if drifted(flag, level, tol):
                     gray.append(drift_of(flag, level))
@@ -301,8 +315,9 @@ def model_table(ranks: int, steps: int, trials: int, healthy: int, models: list[
                                 str(rng.choice(list(CAUSE_PHASES))))  # fmt: skip
                 cfg = SimConfig(ranks=ranks, steps=steps, seed=seed, injections=[inj], **kw)
                 found = detect(to_frame(cfg))
-                right = [s for s in found.stragglers if s.rank == inj.rank and s.detected_step >= inj.onset]
-                flags += len(right) + sum(s.rank != inj.rank for s in found.stragglers)
+                spells = flagged(found)
+                right = [s for s in spells if s.rank == inj.rank and s.detected_step >= inj.onset]
+                flags += len(right) + sum(s.rank != inj.rank for s in spells)
                 matched += len(right)
                 hits.append(bool(right))
                 quick[slowdown].append(bool(right) and right[0].detected_step - inj.onset <= 30)
@@ -333,7 +348,7 @@ def long_healthy(rank_hours: float, models: list[str], ranks: int = 256, steps: 
         for i in range(runs):
             cfg = SimConfig(ranks=ranks, steps=steps, seed=90_000 + i, **{**BASE, **NOISE_MODELS[name]})
             level = true_level(cfg)
-            for flag in detect(to_frame(cfg)).stragglers:
+            for flag in flagged(detect(to_frame(cfg))):
                 flags += 1
                 if drifted(flag, level, tol):
                     gray.append(drift_of(flag, level))

@@ -45,7 +45,16 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from accuracy import IMBALANCE_CASES, IMBALANCE_HEADER, ImbalanceRow, imbalance_cells, imbalance_config, imbalance_run
+from accuracy import (
+    IMBALANCE_CASES,
+    IMBALANCE_HEADER,
+    ImbalanceRow,
+    brief,
+    flagged,
+    imbalance_cells,
+    imbalance_config,
+    imbalance_run,
+)
 
 from stragglerwatch.analysis.detect import MATRIX_COLUMNS, Straggler, Verdict, detect, to_matrix
 from stragglerwatch.analysis.thresholds import DetectConfig, classic_floors
@@ -185,12 +194,17 @@ class Tally:
     flags: int = 0
     matched: int = 0
     false_levels: list[float] = field(default_factory=list)  # true level at detection of each false flag
+    false_brief: int = 0  # of the false flags, those the verdict keeps as details (brief, negligible cost)
     runs: int = 0
     rank_hours: float = 0.0
 
     @property
     def false(self) -> int:
         return len(self.false_levels)
+
+    def false_text(self) -> str:
+        """The false flags, and how many of them the verdict keeps as details (brief, of negligible cost)."""
+        return f"{self.false} ({self.false_brief} brief)" if self.false_brief else str(self.false)
 
 
 def covering(stragglers: list[Straggler], rank: int, step: int) -> Straggler | None:
@@ -204,13 +218,15 @@ def score(cfg: SimConfig, verdict: Verdict, tally: Tally, level: np.ndarray | No
     truth = injected(cfg) > 0
     tally.runs += 1
     tally.rank_hours += cfg.ranks * cfg.steps * cfg.step_ms / 1000 / 3600
-    for s in verdict.stragglers:
+    flags, details = flagged(verdict), brief(verdict)
+    for s in flags:
         d = s.detected_step
         ok = bool(truth[max(0, d - LAG) : d + 1, s.rank].any())
         tally.flags += 1
         tally.matched += ok
         if not ok:
             tally.false_levels.append(float(level[d, s.rank]) if level is not None else float("nan"))
+            tally.false_brief += s in details
     per_injection: dict[int, list[bool]] = {}
     for ev in events(cfg):
         window = verdict.flags[ev.start : min(cfg.steps, ev.end + LAG), ev.rank]
@@ -220,7 +236,7 @@ def score(cfg: SimConfig, verdict: Verdict, tally: Tally, level: np.ndarray | No
         if hit:
             first = int(np.argmax(window))
             tally.latency.append(first)
-            said = covering(verdict.stragglers, ev.rank, ev.start + first)
+            said = covering(flags, ev.rank, ev.start + first)
             tally.causes.append((ev.cause, ev.main, said.cause if said else "-"))
     tally.whole += [all(v) for v in per_injection.values()]
     for inj in cfg.injections:
@@ -292,7 +308,7 @@ def noise_part(args: argparse.Namespace, all_causes: list) -> None:
             sick.causes += tally.causes
         all_causes += sick.causes
         per = healthy.false / healthy.rank_hours * 1000 if healthy.rank_hours else 0.0
-        print(f"| {name} | {healthy.false} | {per:,.1f} | {fmt_levels(healthy.false_levels)} | "
+        print(f"| {name} | {healthy.false_text()} | {per:,.1f} | {fmt_levels(healthy.false_levels)} | "
               + " | ".join(fmt_share(found[x]) for x in SLOWDOWNS)
               + f" | {fmt_lat(at10.latency)} | {sick.matched / sick.flags if sick.flags else 1.0:.3f} | "
               f"{causes_right(sick.causes, 1)} | {causes_right(sick.causes, 0)} |", flush=True)  # fmt: skip
@@ -323,7 +339,7 @@ def kinds_part(args: argparse.Namespace, all_causes: list) -> None:
             label = f"{name} (no rank to blame)" if name in NO_BLAME else name
             print(f"| {label} | {ranks} | {slowdown:.0%} | {fmt_share(tally.found)} | {fmt_share(tally.whole)} | "
                   f"{fmt_share(tally.episodes)} | {fmt_lat(tally.latency)} | "
-                  f"{tally.matched / tally.flags if tally.flags else 1.0:.3f} | {tally.false} | "
+                  f"{tally.matched / tally.flags if tally.flags else 1.0:.3f} | {tally.false_text()} | "
                   f"{causes_right(tally.causes, 1)} |", flush=True)  # fmt: skip
     print()
 
@@ -365,7 +381,7 @@ def drift_part(args: argparse.Namespace) -> None:
         for i in range(runs):
             run_one(SimConfig(ranks=ranks, steps=steps, seed=seed_of(args.seed, "drift", name, i), **kw), tally)  # type: ignore[arg-type]
         over = sum(x >= tol for x in tally.false_levels)
-        print(f"| {name} | {tally.false} | {tally.false / tally.rank_hours * 1000:,.1f} | {over} | "
+        print(f"| {name} | {tally.false_text()} | {tally.false / tally.rank_hours * 1000:,.1f} | {over} | "
               f"{fmt_levels(tally.false_levels)} |", flush=True)  # fmt: skip
     print()
 
@@ -445,11 +461,12 @@ def real_verdict(v: Verdict, rank: int | None, onset: int, label: dict[int, int]
     def at(s: Straggler) -> str:
         return f"step {s.detected_step}" + (f" (row {label[s.detected_step]})" if label else "")
 
-    said = "; ".join(f"{s.rank} {s.cause} {s.slowdown:.2f}x at {at(s)}" for s in v.stragglers) or "none"
+    spells = flagged(v)
+    said = "; ".join(f"{s.rank} {s.cause} {s.slowdown:.2f}x at {at(s)}" for s in spells) or "none"
     said += "".join(f"; group {g.group} {g.slowdown:.2f}x" for g in v.groups)
-    hits = sorted((s for s in v.stragglers if s.rank == rank and s.detected_step >= onset),
+    hits = sorted((s for s in spells if s.rank == rank and s.detected_step >= onset),
                   key=lambda s: s.detected_step)  # fmt: skip
-    false = len(v.stragglers) - len(hits)
+    false = len(spells) - len(hits)
     when = (
         (f"row {label[hits[0].detected_step]}" if label else f"{hits[0].detected_step - onset:+d} steps")
         if hits

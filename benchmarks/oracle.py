@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from accuracy import flagged  # noqa: E402
 from heldout import BASE, SOURCES, seed_of  # noqa: E402
 
 from stragglerwatch.analysis.detect import detect  # noqa: E402
@@ -81,7 +82,7 @@ def config(kind: str, trial: int, size: float | None) -> SimConfig:
 
 def ours(cfg: SimConfig) -> tuple[int | None, int | None]:
     """Our delay (steps after the onset at which the flag rose) and onset error; None: not found."""
-    hits = [s for s in detect(to_frame(cfg)).stragglers if s.rank == SLOW and s.detected_step >= ONSET - 5]
+    hits = [s for s in flagged(detect(to_frame(cfg))) if s.rank == SLOW and s.detected_step >= ONSET - 5]
     if not hits:
         return None, None
     first = min(hits, key=lambda s: s.detected_step)
@@ -96,7 +97,7 @@ def median_delay(delays: list[int | None]) -> float:
 def run_kind(kind: str, trials: int) -> list[dict]:
     healthy = [config(kind, t, None) for t in range(trials)]
     mean = [excess(simulate_arrays(c)["busy_s"]) for c in healthy]  # the oracle's noise model, per trial
-    false_ours = sum(len(detect(to_frame(c)).stragglers) for c in healthy)
+    false_ours = sum(len(flagged(detect(to_frame(c)))) for c in healthy)
     rows = []
     # the healthy noise's spread (robust), for the oracle's clip: 4 of them above the shift
     spread = float(np.median([1.4826 * np.median(np.abs(e - np.median(e, axis=0)), axis=0) for e in mean]))

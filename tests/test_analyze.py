@@ -105,6 +105,30 @@ def test_simulate_then_analyze(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert {r["role"] for r in report["ranks"]} == {"group0", "group1"}
 
 
+def test_one_entry_per_rank_with_its_episodes_and_brief_flags_as_details(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rank slow twice, 600 steps apart, is one straggler of two episodes, each detected after its own
+    onset; a rank 8% slower for 90 steps of 2,000 (fixing it saves well under 0.5% of the job) is a brief
+    flag in the details, in the JSON and the text."""
+    run = tmp_path / "sim"
+    args = ["simulate", str(run), "--ranks", "8", "--steps", "2000", "--straggler", "3:0.08:700:compute:790",
+            "--straggler", "5:0.3:100:data:300", "--straggler", "5:0.3:900:data"]  # fmt: skip
+    assert cli(args) == 0
+    capsys.readouterr()
+    report = analyze_json(run, capsys)
+    (s,) = report["stragglers"]
+    assert s["rank"] == 5 and s["cause"] == "data" and s["last_step"] is None and len(s["episode_spans"]) == 2
+    (a, b, d1), (c, end, d2) = s["episodes"]
+    assert abs(a - 100) <= 5 and abs(b - 300) <= 5 and 100 <= d1 <= 130 and abs(c - 900) <= 5 and end is None
+    assert 900 <= d2 <= 930
+    (m,) = report["minor"]
+    assert m["rank"] == 3 and m["cause"] == "compute" and m["saves_seconds"] < 0.005 * report["job_seconds"]
+    assert cli(["analyze", str(run)]) == 0
+    text = capsys.readouterr().out
+    assert "in 2 episodes (steps 100-" in text and "brief flags of negligible cost" in text and "rank 3 (" in text
+
+
 def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cases = [
         (["analyze", str(tmp_path / "missing")], "not a directory"),

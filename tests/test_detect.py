@@ -153,12 +153,17 @@ def test_a_straggler_interrupted_by_a_gap_is_one_verdict_with_episodes() -> None
     v = detect(frame)
     assert [s.rank for s in v.stragglers] == [2]
     (s,) = v.stragglers
-    assert s.episodes == [(s.first_step, None)]
+    assert s.episodes == [(s.first_step, None, s.detected_step)]
     assert v.flags[60:, list(v.ranks).index(2)].all(), "held across the hole"
     assert abs(s.first_step - 50) <= 10 and s.last_step is None
-    # a straggler that truly recovers for long and comes back is two verdicts
+    # a straggler that truly recovers for long and comes back is one verdict (one per rank) of two episodes,
+    # each detected after its own onset, and two spells for a rule that acts once per spell
     later = SimConfig(ranks=8, steps=600, seed=5, injections=[Injection(2, 0.3, 50, end=200), Injection(2, 0.3, 400)])
-    assert [len(x.episodes) for x in detect(to_frame(later)).stragglers] == [1, 1]
+    (s,) = detect(to_frame(later)).stragglers
+    assert s.rank == 2 and len(s.episodes) == 2 and s.last_step is None
+    (a, b, d1), (c, _, d2) = s.episodes
+    assert abs(a - 50) <= 10 and abs(b - 200) <= 10 and abs(c - 400) <= 10 and 50 <= d1 <= 80 and 400 <= d2 <= 430
+    assert [(x.first_step, x.detected_step) for x in s.spells(16)] == [(a, d1), (c, d2)]
 
 
 REAL_NOISE = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "healthy-residuals.csv"
@@ -197,7 +202,9 @@ def test_ten_percent_straggler_found_within_30_steps_under_realistic_noise(model
         fastest = int(np.argmin(np.abs(level + 0.04)))
         cfg = replace(cfg, injections=[Injection(fastest, 0.10, onset=150, cause="compute")])
         v = run(cfg)
-        found = [s for s in v.stragglers if s.rank == fastest]
+        # under slow drift the rank may drift back below its peers and its flag end, at a negligible cost: a
+        # detail of the verdict (``minor``), found as quickly
+        found = [s for s in v.stragglers + (v.minor if model == "slow drift" else []) if s.rank == fastest]
         assert found and 150 <= found[0].detected_step <= 180, (model, seed, v.stragglers)
         assert [s.rank for s in v.stragglers] == [fastest] or model == "slow drift"
 
@@ -259,3 +266,32 @@ def test_spikes_a_few_blocks_apart_are_not_an_intermittent_straggler() -> None:
         arrays["other_s"][step, 2] += 0.5
     arrays["busy_s"] = sum(arrays[c] for c in ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "other_s"))
     assert detect(to_frame(cfg, arrays)).stragglers == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_few_ranks_with_noise_many_times_the_floor_find_a_lasting_straggler(seed: int) -> None:
+    """Four ranks whose busy time jitters 30% a step (variable batches on a crowded host): the CUSUMs, tuned
+    to the floor and held back by each rank's uncertain baseline, need hundreds of steps for a 25% rank; the
+    level GLR, against the peers, finds it once it is certain. The healthy twin raises no flag."""
+    slow = SimConfig(ranks=4, steps=300, seed=seed, noise=0.3, injections=[Injection(2, 0.25, onset=120)])
+    v = run(slow)
+    assert [s.rank for s in v.stragglers] == [2], v.stragglers
+    (s,) = v.stragglers
+    assert 120 <= s.detected_step <= 280 and abs(s.first_step - 120) <= 60, s
+    assert v.flags[s.detected_step :, 2].mean() >= 0.75, "held once found (a 16-step median this noisy may dip)"
+    healthy = run(replace(slow, injections=[]))
+    assert healthy.stragglers == [] and healthy.minor == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_brief_flag_of_negligible_cost_is_a_detail_and_a_lasting_one_a_straggler(seed: int) -> None:
+    """A rank 8% slower for 90 steps of 2,000 (a spell of contention) saves the job under 0.5% of its time if
+    fixed: in ``minor``, with its episode, not among the stragglers. The same rank slow to the end is one."""
+    brief = SimConfig(ranks=8, steps=2000, seed=seed, noise=0.01, injections=[Injection(3, 0.08, onset=700, end=790)])
+    v = run(brief)
+    assert v.stragglers == [] and [m.rank for m in v.minor] == [3]
+    ((a, b, d),) = v.minor[0].episodes
+    assert abs(a - 700) <= 5 and abs(b - 790) <= 5 and 700 <= d <= 730
+    assert v.minor[0].saves_seconds < DetectConfig().min_cost_share * v.job_seconds
+    lasting = run(replace(brief, injections=[Injection(3, 0.08, onset=700)]))
+    assert [s.rank for s in lasting.stragglers] == [3] and lasting.minor == []

@@ -17,12 +17,14 @@ from stragglerwatch.analysis.policy import (
     ActRule,
     Episodes,
     actions_from_events,
+    current_episode,
     declined,
     due,
     episode,
     exclusion_declined,
     slurm_hostlist,
     verdict,
+    view,
     why_not,
 )
 from stragglerwatch.analysis.policyfeed import WindowRun, view_of_run
@@ -205,6 +207,26 @@ def test_the_rule_acts_only_on_a_verdict_that_shows_everything_it_asks() -> None
     assert due(report, rule, acted=[(None, None, 3, 100)]) == []  # ... as an older version recorded it
     assert due(report, rule, acted=[(1, 0, 3, 100)]) != []  # another attempt's episode
     assert due({**report, "busy_unavailable": [{"reason": "x", "ranks": [0]}]}, rule) == []  # nothing measured
+
+
+def test_the_rule_acts_on_a_rank_s_latest_spell_of_its_one_report_entry() -> None:
+    """A report holds one entry per rank with all its episodes: the rule acts on the latest spell (its
+    stretches a short pause apart), from that spell's first step and time, once; an earlier spell it acted
+    on does not stop it."""
+    entry = _straggler(first_step=100, time_span=[1000.0, 5000.0],
+                       episodes=[[100, 180, 110], [190, 260, 195], [900, 905, 902], [912, None, 915]],
+                       episode_spans=[[1000.0, 1800.0], [1900.0, 2600.0], [4000.0, 4900.0], [4920.0, 5000.0]])
+    assert current_episode(entry) == (900, [4000.0, 5000.0])
+    assert current_episode({**entry, "episodes": [[100, None, 110]], "episode_spans": [[1000.0, 5000.0]]}) \
+        == (100, [1000.0, 5000.0])
+    older = {k: v for k, v in entry.items() if k not in ("episodes", "episode_spans")}  # an older report's entry
+    assert current_episode(older) == (100, [1000.0, 5000.0])
+    looked = view({"stragglers": [entry], "last_step": 1200, "attempts": []}, {}, {})
+    (s,) = looked["stragglers"]
+    assert s["first_step"] == 900 and s["time_span"] == [4000.0, 5000.0]
+    rule = replace(ActRule(), after_s=0.0)
+    assert [v["since_step"] for v in due(looked, rule, acted=[(None, None, 3, 100)])] == [900]
+    assert due(looked, rule, acted=[(None, None, 3, 900)]) == []
 
 
 @pytest.mark.parametrize("cause, signals, needs, excluded", [

@@ -46,7 +46,7 @@ def test_shipped_rules_are_the_generated_defaults() -> None:
 @needs_prometheus
 def test_promtool_checks_and_unit_tests_the_rules(tmp_path: Path) -> None:
     out = subprocess.run([PROMTOOL, "check", "rules", str(installed_rules())], capture_output=True, text=True)
-    assert out.returncode == 0 and "SUCCESS: 10 rules found" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "SUCCESS: 12 rules found" in out.stdout, out.stdout + out.stderr
     out = subprocess.run([PROMTOOL, "test", "rules", "rules_test.yml"], cwd=RULES_DIR, capture_output=True, text=True)
     assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
 
@@ -194,7 +194,8 @@ def test_real_prometheus_scrapes_a_straggler_job(live_prometheus) -> None:
         assert (int(buckets[0]["value"][1]) if buckets else 0) == (4 * 8 * 19 if mode == "full" else 0)
         assert len(prom_api(base, f"time() - stragglerwatch_last_step_timestamp_seconds{{{sel}}} < 60")) == 4
         for record in ("busy_seconds:mean20s", "step_seconds:mean20s", "phase_seconds:mean20s",
-                       "busy_seconds:peer_median20s", "busy_ratio:20s", "phase_excess_seconds:20s"):  # fmt: skip
+                       "busy_seconds:peer_median20s", "busy_ratio:20s", "phase_excess_seconds:20s",
+                       "lost_share:20s", "slowest_saves_share:20s"):  # fmt: skip
             assert prom_api(base, f"stragglerwatch:{record}{{{sel}}}"), f"{mode}: no {record}"
         ranked = prom_api(base, f"sort_desc(stragglerwatch:busy_ratio:20s{{{sel}}})")
         assert ranked[0]["metric"]["rank"] == "2" and float(ranked[0]["value"][1]) > 1.5, mode

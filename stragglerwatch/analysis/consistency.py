@@ -177,6 +177,11 @@ def _offset_spread(centers: np.ndarray, steps: np.ndarray, noise: float) -> floa
     return float(np.sqrt(max(0.0, observed**2 - (1.2533 * noise) ** 2 / n)))
 
 
+#: The fewest block differences a long-run variance is estimated from: with fewer (a few ranks, a few
+#: hundred steps), the one change of a straggler would raise its own alarm level by a third or more.
+MIN_SECOND = 32
+
+
 def _second_differences(dev: np.ndarray, block: int) -> np.ndarray:
     """Each ``block``-step mean's difference from its two neighbours' mean (finite ones, flat)."""
     n = dev.shape[0] // block
@@ -195,8 +200,9 @@ def _long_run_variance(second: np.ndarray, block: int) -> float:
     neighbours (which takes out offsets and slow drift), winsorised at five robust standard
     deviations (so that a straggler's one change does not dominate). Above the per-step variance
     when slow excursions (a rank a bit slower for tens of steps, as on a shared host) are more
-    than independent steps give."""
-    if not second.size:
+    than independent steps give. Fewer than :data:`MIN_SECOND` differences tell no excursion from one
+    straggler's own change (a change is a pair of them as large as itself): no estimate (0)."""
+    if second.size < MIN_SECOND:
         return 0.0
     robust = 1.4826 * float(np.median(np.abs(second - np.median(second))))
     # the tails count (they are the slow excursions), but one straggler's change does not dominate
@@ -291,13 +297,18 @@ class Carry:
     on: np.ndarray  # flagged now
     run_on: np.ndarray  # steps in a row that were slow / back
     run_off: np.ndarray
+    # the level GLR: the excess over the tolerance summed since that sum was last at its lowest, and its steps
+    above: np.ndarray
+    above_n: np.ndarray
+    above_base: np.ndarray  # the rank's baseline when that run began
 
     @classmethod
     def fresh(cls, n_ranks: int) -> Carry:
         z = np.zeros(n_ranks)
         i = np.zeros(n_ranks, dtype=np.int32)
         return cls(np.zeros((2, n_ranks)), z.copy(), z.copy(), np.full(n_ranks, np.nan), z.copy(),
-                   np.zeros(n_ranks, dtype=bool), i.copy(), i.copy())  # fmt: skip
+                   np.zeros(n_ranks, dtype=bool), i.copy(), i.copy(), z.copy(), z.copy(),
+                   np.full(n_ranks, np.nan))  # fmt: skip
 
     def copy(self) -> Carry:
         return Carry(*(getattr(self, f).copy() for f in self.__dataclass_fields__))
@@ -372,22 +383,52 @@ def advance(
         c.run_sum = np.where(restart, 0.0, c.run_sum + np.where(seen, score, 0.0))
         m, lev, lev_bar = med[s], level[s], bars[s - lo]
         level_off = (sc.floors.tolerance + lev_bar) / 2.0  # below it, a level flag clears (hysteresis)
+        certain = _level_glr(c, e[s], lev, trailing[s - lo], sc, cfg)
         with np.errstate(invalid="ignore", divide="ignore"):
             # the change's size: its mean since the CUSUM rose (the maximum-likelihood estimate), and
             # the median of the last ``window`` steps (persistence: most recent steps are slow)
             size = c.run_sum / c.run_n
             change = alarm & (size >= 0.75 * delta) & (m - c.base >= persist) & (m >= delta / 2)
-            slow = (change | (lev >= lev_bar)) & (cost[s] > fraction)
+            slow = (change | (lev >= lev_bar) | (certain & (m >= delta))) & (cost[s] > fraction)
             near = (m - c.base < delta * cfg.off_ratio) | (m < delta * cfg.off_ratio)
             back = np.where(np.isfinite(c.base), near, m < level_off) & ~(lev >= level_off)
         gap = np.isnan(m)  # too few steps in the window (a rank missing rows): no evidence either way
         c.run_on = np.where(gap, c.run_on, np.where(slow, c.run_on + 1, 0))
         c.run_off = np.where(gap, c.run_off, np.where(back, c.run_off + 1, 0))
         cleared = c.on & (c.run_off >= cfg.confirm)
-        c.on = (c.on & ~cleared) | (~c.on & (c.run_on >= cfg.confirm))
+        rising = ~c.on & (c.run_on >= cfg.confirm)
+        c.on = (c.on & ~cleared) | rising
+        # a flag the level GLR raised, long after the onset: the baseline to come back to is the one from before
+        # its run of excess began (the recent one holds the change itself)
+        c.base = np.where(rising & certain & (c.above_base < c.base), c.above_base, c.base)
         c.cusum[:, cleared] = 0.0
+        c.above[cleared], c.above_n[cleared] = 0.0, 0.0
         out[s - start] = c.on
     return out
+
+
+def _level_glr(c: Carry, e: np.ndarray, lev: np.ndarray, base: np.ndarray, sc: Scalars, cfg: DetectConfig
+               ) -> np.ndarray:  # fmt: skip
+    """The level test of a change of any size (a generalised likelihood ratio; ``c`` updated in place): the
+    excess over the tolerance, summed since that sum was last at its lowest, is ``decision`` nats certain to
+    be above it, and its mean is at least the smallest change (a flag also needs the last ``window`` steps
+    that slow). ``base``: each rank's baseline now, kept where a run begins.
+    Where the per-step noise is larger than the smallest change (a few ranks with variable work on a shared
+    host), the CUSUMs, tuned to that change and held back by a rank's uncertain own baseline, take hundreds of
+    steps to find a change several times larger, which this test, against the peers, finds as soon as it is
+    certain. Below that noise it is not used: the CUSUMs are quick there, and this test would add flags on
+    ranks that drift a little above the tolerance for a while."""
+    f = sc.floors
+    if sc.noise < f.slowdown:  # the CUSUMs find every change of the floor within a few dozen steps
+        return np.zeros(e.shape, dtype=bool)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        x = np.clip(e, -sc.cap(cfg), sc.cap(cfg)) - sc.skew - f.tolerance
+        seen = np.isfinite(x) & np.isfinite(lev)  # from the level median's first steps on, as the level test
+        c.above = np.where(seen, np.maximum(0.0, c.above + np.where(seen, x, 0.0)), c.above)
+        c.above_n = np.where(seen, np.where(c.above > 0.0, c.above_n + 1.0, 0.0), c.above_n)
+        c.above_base = np.where(c.above_n == 1.0, base, c.above_base)
+        certain = c.above**2 >= 2.0 * cfg.decision * max(sc.variance, sc.noise**2) * c.above_n
+        return (c.above_n > 0) & certain & (c.above / c.above_n + f.tolerance >= f.slowdown)
 
 
 def thresholds(sc: Scalars, cfg: DetectConfig) -> dict[str, float]:

@@ -28,7 +28,8 @@ Design (DESIGN.md, "Peers, consistency, cause, cost"):
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -70,9 +71,9 @@ class Straggler:
     excess_ms: dict[str, float] = field(default_factory=dict)  # median excess per cause
     where: str | None = None  # where in the step the excess lies (``stages.where_excess``)
     gap_ms: dict[str, float] = field(default_factory=dict)  # median excess per gap (schema.GAPS)
-    # (first_step, last_step) of each flagged stretch when a short pause (a stall, a gap in the
-    # data, a few healthy steps) interrupted it: one straggler, several episodes
-    episodes: list[tuple[int, int | None]] = field(default_factory=list)
+    # (first_step, last_step, detected_step) of each flagged stretch of the rank: one straggler per rank,
+    # its episodes in step order (a stall, a gap in the data, healthy steps between them)
+    episodes: list[tuple[int, int | None, int]] = field(default_factory=list)
     # what fixing it would save the job (``cost.py``: costed in turn, the costlier stragglers fixed first),
     # in seconds and as a share of the job's time while it was flagged
     saves_seconds: float = 0.0
@@ -82,37 +83,74 @@ class Straggler:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def spells(self, gap: int) -> list[Straggler]:
+        """Its episodes, those at most ``gap`` steps apart joined (:func:`spells`), each as a verdict of its own
+        with the rank's cause and figures: what a rule that acts once per spell, or a benchmark that scores
+        each flag, counts."""
+        return [replace(self, first_step=a, last_step=b, detected_step=d, episodes=[(a, b, d)])
+                for a, b, d in spells(self.episodes, gap)]  # fmt: skip
 
-def _merge_episodes(found: list[Straggler], steps: np.ndarray, gap: int) -> list[Straggler]:
-    """One verdict per rank for flagged stretches at most ``gap`` steps apart (in step order)."""
+
+def spells(episodes: Sequence[Sequence[int | None]], gap: int) -> list[tuple[int, int | None, int]]:
+    """``(first, last, detected)`` episodes (in step order) with those at most ``gap`` steps after the one
+    before joined: a short pause (a stall, a gap in the data) makes no new spell."""
+    out: list[tuple[int, int | None, int]] = []
+    for first, last, detected in episodes:
+        if out and out[-1][1] is not None and int(first) - int(out[-1][1]) <= gap:  # type: ignore[arg-type]
+            out[-1] = (out[-1][0], last, out[-1][2])
+        else:
+            out.append((int(first), last, int(detected)))  # type: ignore[arg-type]
+    return out
+
+
+def _merge_episodes(found: list[Straggler], steps: np.ndarray) -> list[Straggler]:
+    """One verdict per rank: its flagged stretches are its episodes (in step order). Its cause, excess and
+    where are its costliest episode's; its slowdown their mean over their steps; its costs their sums."""
     out: list[Straggler] = []
     position = {int(s): i for i, s in enumerate(steps)}
     for s in sorted(found, key=lambda x: (x.rank, x.first_step)):
+        s.episodes = [(s.first_step, s.last_step, s.detected_step)]
         prev = out[-1] if out and out[-1].rank == s.rank else None
-        if prev is not None and prev.last_step is not None and position[s.first_step] - position[prev.last_step] <= gap:
-            n_prev = position[prev.last_step] - position[prev.first_step] + 1
-            n_new = (position[s.last_step] if s.last_step is not None else len(steps) - 1) - position[s.first_step] + 1
-            main = prev if prev.lost_seconds >= s.lost_seconds else s
-            out[-1] = Straggler(
-                rank=s.rank,
-                cause=main.cause,
-                slowdown=round((prev.slowdown * n_prev + s.slowdown * n_new) / (n_prev + n_new), 4),
-                first_step=prev.first_step,
-                last_step=s.last_step,
-                detected_step=prev.detected_step,
-                lost_seconds=prev.lost_seconds + s.lost_seconds,
-                excess_ms=main.excess_ms,
-                where=main.where,
-                gap_ms=main.gap_ms,
-                episodes=[*prev.episodes, (s.first_step, s.last_step)],
-                saves_seconds=prev.saves_seconds + s.saves_seconds,
-                saves_share=max(prev.saves_share, s.saves_share),
-                classic=prev.classic or s.classic,
-            )
-        else:
-            s.episodes = [(s.first_step, s.last_step)]
+        if prev is None or prev.last_step is None:
             out.append(s)
+            continue
+        n_prev = sum((len(steps) if b is None else position[b] + 1) - position[a] for a, b, _ in prev.episodes)
+        n_new = (position[s.last_step] if s.last_step is not None else len(steps) - 1) - position[s.first_step] + 1
+        main = prev if prev.lost_seconds >= s.lost_seconds else s
+        out[-1] = Straggler(
+            rank=s.rank,
+            cause=main.cause,
+            slowdown=round((prev.slowdown * n_prev + s.slowdown * n_new) / (n_prev + n_new), 4),
+            first_step=prev.first_step,
+            last_step=s.last_step,
+            detected_step=prev.detected_step,
+            lost_seconds=prev.lost_seconds + s.lost_seconds,
+            excess_ms=main.excess_ms,
+            where=main.where,
+            gap_ms=main.gap_ms,
+            episodes=[*prev.episodes, *s.episodes],
+            saves_seconds=prev.saves_seconds + s.saves_seconds,
+            saves_share=max(prev.saves_share, s.saves_share),
+            classic=prev.classic or s.classic,
+        )
     return out
+
+
+def _headline(stragglers: list[Straggler], job_seconds: float, cfg: DetectConfig
+              ) -> tuple[list[Straggler], list[Straggler]]:  # fmt: skip
+    """The stragglers of the verdict, and the minor ones: every episode ended, and fixing the rank, with every
+    rank flagged at the same time, would have saved the job less than ``min_cost_share`` of its whole time (a
+    short spell of contention on a healthy run is a detail of the report, not a straggler; ranks slow together
+    save little one at a time, and are costed together)."""
+    least = cfg.min_cost_share * job_seconds
+
+    def overlap(x: Straggler, y: Straggler) -> bool:
+        return any(a <= (d if d is not None else a) and c <= (b if b is not None else c)
+                   for a, b, _ in x.episodes for c, d, _ in y.episodes)  # fmt: skip
+
+    minor = [s for s in stragglers if s.last_step is not None and s.saves_seconds < least
+             and sum(o.saves_seconds for o in stragglers if overlap(s, o)) < least]  # fmt: skip
+    return [s for s in stragglers if s not in minor], minor
 
 
 @dataclass
@@ -130,6 +168,7 @@ class Verdict:
     ranks: np.ndarray
     steps: np.ndarray
     stragglers: list[Straggler]
+    minor: list[Straggler]  # ended episodes of negligible cost (``_headline``): details, not stragglers
     groups: list[GroupImbalance]
     job_seconds: float
     ideal_seconds: float
@@ -220,8 +259,8 @@ def detect(
         col = health.ref_h[:, g.index[j]]
         series = RankSeries(excess[:, j], busy[:, j], [p[:, j] for p in phases], col,
                             other_max(stats.top1, stats.top1_at, stats.top2, j), health.peer_phase)  # fmt: skip
-        found += [straggler(int(mat.ranks[j]), mat.steps, series, a, b, cfg, bool(classic[a:b, j].any()))
-                  for a, b in intervals(flags[:, j])]  # fmt: skip
+        found += [straggler(int(mat.ranks[j]), mat.steps, series, a, b, cfg, bool(classic[a:b, j].any()), after)
+                  for a, b, after in intervals(flags[:, j])]  # fmt: skip
     slowdown = busy / health.ref_h[:, g.index] if busy.size else np.zeros(busy.shape)
     result = verdict(mat.ranks, mat.steps, found, stats, health, g, cfg, thresholds, slowdown, flags)
     result.healthy = never
@@ -244,10 +283,11 @@ def _flag(values: dict[str, np.ndarray], g: Groups, cfg: DetectConfig
 
 
 def straggler(rank: int, steps: np.ndarray, series: RankSeries, start: int, end: int | None, cfg: DetectConfig,
-              classic: bool = True) -> Straggler:  # fmt: skip
+              classic: bool = True, after: int = 0) -> Straggler:  # fmt: skip
     """The verdict on one flagged stretch [start, end) of a rank (step indices); ``classic``: flagged at the
-    fixed floor too (it stands whatever it costs; below it, ``verdict`` keeps it only where it is costly)."""
-    d = describe(series, start, end, cfg)
+    fixed floor too (it stands whatever it costs; below it, ``verdict`` keeps it only where it is costly);
+    ``after``: where its stretch before ended (its onset is not before)."""
+    d = describe(series, start, end, cfg, after)
     return Straggler(
         rank=rank,
         cause=d["cause"],
@@ -279,11 +319,11 @@ def verdict(
     fixing would save the job at least ``min_cost_share`` of its time while they last (``cost.py``); the
     flags of the others are cleared (``flags`` is changed in place)."""
     found = _costly(found, ranks, steps, stats, health, groups, cfg, flags)
-    stragglers = _merge_episodes(found, steps, cfg.window)
-    stragglers.sort(key=lambda s: -s.lost_seconds)
     step_job = np.nan_to_num(stats.step_med)
     waste = np.clip(np.nan_to_num(stats.top1 - health.ref_job), 0.0, step_job)
     job = float(step_job.sum())
+    stragglers, minor = _headline(_merge_episodes(found, steps), job, cfg)
+    stragglers.sort(key=lambda s: -s.lost_seconds)
     with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN steps
         comm = np.nanmedian(stats.least_wait / stats.step_med) if len(steps) else 0.0
@@ -292,6 +332,7 @@ def verdict(
         ranks=ranks,
         steps=steps,
         stragglers=stragglers,
+        minor=minor,
         groups=_group_imbalance(stats.group_med, groups, ranks, cfg, {s.rank for s in stragglers}),
         job_seconds=job,
         ideal_seconds=job - float(waste.sum()),

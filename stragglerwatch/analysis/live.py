@@ -413,8 +413,8 @@ class LiveRun:
             series = RankSeries(np.ascontiguousarray(d["e"][:n, j]), np.ascontiguousarray(v["busy_s"][:, j]),
                                 [np.ascontiguousarray(p[:, j]) for p in phases], full.ref_h[:, g.index[j]],
                                 other_max(stats.top1, stats.top1_at, stats.top2, j), full.peer_phase)  # fmt: skip
-            found += [straggler(int(self.ranks[j]), self.steps, series, a, b, cfg, bool(classic[a:b, j].any()))
-                      for a, b in intervals(flags[:, j])]  # fmt: skip
+            found += [straggler(int(self.ranks[j]), self.steps, series, a, b, cfg, bool(classic[a:b, j].any()),
+                                after) for a, b, after in intervals(flags[:, j])]  # fmt: skip
         slowdown = v["busy_s"] / full.ref_h[:, g.index]
         result = verdict(self.ranks, self.steps, found, stats, full, g, cfg, cons.thresholds(self.sc, cfg),  # type: ignore[arg-type]
                          slowdown, flags)  # fmt: skip

@@ -20,7 +20,8 @@ that put the excess on its node (:data:`EVIDENCE`). The built-in *exclude* asks 
 CPUs; ``other``: never), and one host for all its flagged steps (a rank that stayed slow when a restart
 moved it to another host, or whose flag outlasted the move, names no one host).
 
-An episode is one straggler verdict (``detect`` merges stretches a short pause apart); it acts once,
+An episode is a straggler's latest spell (:func:`current_episode`: its flagged stretches a short pause apart;
+a report keeps one entry per rank, with all its stretches); it acts once,
 keyed by ``(restart, attach, rank, first_step)``, the attempt of its first flagged step (steps are
 numbered on across attempts). The live analysis sees a bounded window of steps; :class:`Episodes`
 carries an episode's start, hosts and by-design reason from one window to the next. The host a verdict
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from stragglerwatch.analysis.detect import spells
 from stragglerwatch.record.rundir import where_ran
 
 #: The causes a straggler can be given (``stages.CAUSES``).
@@ -315,6 +317,22 @@ def _ranks(ranks: list[int], most: int = 8) -> str:
     return f"ranks {shown}" + (f" and {len(ranks) - most} more" if len(ranks) > most else "")
 
 
+def current_episode(straggler: Mapping[str, Any]) -> tuple[int, list[float] | None]:
+    """The first step and the time span of a straggler's latest episode, what the rule acts on: its last
+    flagged stretches, each at most :data:`WINDOW_SLACK` steps after the one before (a short pause is no new
+    episode). A report entry holds all the stretches of its rank (``episodes``); an older one, one episode."""
+    episodes = straggler.get("episodes") or []
+    spans = straggler.get("episode_spans") or []
+    if len(episodes) < 2 or len(spans) != len(episodes) or any(len(e) < 3 for e in episodes):
+        return int(straggler["first_step"]), straggler.get("time_span")
+    first = spells(episodes, WINDOW_SLACK)[-1][0]
+    k = next(i for i, e in enumerate(episodes) if int(e[0]) == first)
+    since, whole = spans[k], straggler.get("time_span")
+    if k == 0:
+        return first, whole
+    return first, [since[0], whole[1]] if since and whole else since
+
+
 def view(report: Mapping[str, Any], rank_meta: Mapping[int, Mapping[str, Any]],
          starts: Mapping[tuple[int, int], Mapping[int, Mapping[str, float]]], window: list[int] | None = None
          ) -> dict[str, Any]:  # fmt: skip
@@ -331,7 +349,8 @@ def view(report: Mapping[str, Any], rank_meta: Mapping[int, Mapping[str, Any]],
     out = []
     for s in report.get("stragglers") or []:
         entry = {k: s.get(k) for k in keep}
-        rank, first = int(s["rank"]), int(s["first_step"])
+        entry["first_step"], entry["time_span"] = current_episode(s)
+        rank, first = int(s["rank"]), int(entry["first_step"])
         end = int(s["last_step"]) if s.get("last_step") is not None else (int(last) if last is not None else first)
         first_at, end_at = attempt_of(first, attempts), attempt_of(end, attempts)
         entry["restart"], entry["attach"] = first_at if first_at else (None, None)

@@ -121,13 +121,13 @@ def _round2(state: consistency.BlockState, sc: consistency.Scalars, cfg: DetectC
 def _round3(state: consistency.BlockState, sc: consistency.Scalars, cfg: DetectConfig, lo: int) -> list:
     levels = consistency.round3(state, sc, cfg)
     flags, classic = levels > 0, (levels & consistency.AT_CLASSIC) > 0
-    return [(lo + j, a, b, bool(classic[a:b, j].any())) for j in np.flatnonzero(flags.any(axis=0))
-            for a, b in intervals(flags[:, j])]  # fmt: skip
+    return [(lo + j, a, b, bool(classic[a:b, j].any()), after) for j in np.flatnonzero(flags.any(axis=0))
+            for a, b, after in intervals(flags[:, j])]  # fmt: skip
 
 
-def _flag_rows(found: list[tuple[int, int, int | None, bool]], rows: slice, n_ranks: int) -> np.ndarray:
+def _flag_rows(found: list[tuple[int, int, int | None, bool, int]], rows: slice, n_ranks: int) -> np.ndarray:
     out = np.zeros((rows.stop - rows.start, n_ranks), dtype=bool)
-    for col, a, b, _ in found:
+    for col, a, b, *_ in found:
         lo, hi = max(a, rows.start), min(rows.stop if b is None else b, rows.stop)
         if lo < hi:
             out[lo - rows.start : hi - rows.start, col] = True
@@ -148,13 +148,13 @@ def _describe(block: slice, steps: np.ndarray, ranks: np.ndarray, found: list, g
     healthy = job["healthy"][block]  # the jitter tax's ranks: per step and host, their largest deviation
     hosts = host_deviations(relative[:, healthy], job["hosts"][block][healthy], job["host_names"])
     out: list[Straggler] = []
-    for col, a, b, classic in found:
+    for col, a, b, classic, after in found:
         j = col - block.start
         phases = [np.concatenate([p["phases"][c][:, j] for p in pieces]) for c in range(len(pieces[0]["phases"]))]
         series = RankSeries(np.ascontiguousarray(state.e[:, j]), np.ascontiguousarray(busy[:, j]), phases,
                             ref_h[:, groups.index[col]], other_max(job["top1"], job["top1_at"], job["top2"], col),
                             job["peer_phase"])  # fmt: skip
-        out.append(straggler(int(ranks[col]), steps, series, a, b, cfg, classic))
+        out.append(straggler(int(ranks[col]), steps, series, a, b, cfg, classic, after))
     return slowdown, out, hosts
 
 
@@ -240,7 +240,7 @@ def analyze_on_ray(
     found_blocks = ray.get([remote["_round3"].remote(r[1], sc, cfg, b.start) for r, b in zip(r1, blocks, strict=True)])
     found = [f for fb in found_blocks for f in fb]
     never = np.ones(len(ranks), dtype=bool)
-    never[[col for col, _, _, _ in found]] = False
+    never[[col for col, *_ in found]] = False
     say("healthy stage")
     healthy = ray.get([remote["_healthy"].remote(rows, found, never, groups, *[ld[1 + p] for ld in loads])
                        for p, rows in enumerate(parts)])  # fmt: skip

@@ -43,6 +43,7 @@ from stragglerwatch.analysis.reportschema import (
     Events,
     GroupEntry,
     ImbalanceEntry,
+    MinorEntry,
     RankRow,
     Report,
     StragglerEntry,
@@ -134,6 +135,7 @@ def build_report(
     stragglers = []
     for s in [] if unavailable else verdict.stragglers:
         window = span(step_times, s.first_step, s.last_step) if step_times is not None else None
+        spans = [span(step_times, a, b) if step_times is not None else None for a, b, _ in s.episodes]
         stragglers.append(StragglerEntry(
             rank=s.rank, cause=s.cause, slowdown=s.slowdown, first_step=s.first_step, last_step=s.last_step,
             detected_step=s.detected_step, lost_seconds=_num(s.lost_seconds, 4), excess_ms=s.excess_ms,
@@ -141,7 +143,11 @@ def build_report(
             lost_gpu_seconds=_num(s.lost_seconds * world, 3),
             time_span=[round(t, 3) for t in window] if window else None, where=s.where, gap_ms=s.gap_ms,
             saves_seconds=_num(s.saves_seconds, 4), saves_share=_num(s.saves_share, 5),
+            episode_spans=[[round(t, 3) for t in w] if w else None for w in spans],
         ))  # fmt: skip
+    minor = [MinorEntry(rank=s.rank, cause=s.cause, slowdown=s.slowdown, episodes=[list(e) for e in s.episodes],
+                        lost_seconds=_num(s.lost_seconds, 4), saves_seconds=_num(s.saves_seconds, 4),
+                        host=hosts.get(s.rank)) for s in ([] if unavailable else verdict.minor)]  # fmt: skip
     roles = {r: m.get("role") for r, m in rank_meta.items()}
     context = prepare(context) if context is not None and not context.empty and stragglers else context  # once
     if context is not None and step_times is not None and stragglers:
@@ -168,6 +174,7 @@ def build_report(
         communication_bound=verdict.communication_bound,
         comm_fraction=_num(verdict.comm_fraction, 4),
         stragglers=stragglers,
+        minor=minor,
         busy_unavailable=unavailable,
         group_imbalance=[] if unavailable else [GroupEntry(g.group, g.ranks, g.slowdown) for g in verdict.groups],
         hangs=[],

@@ -46,7 +46,7 @@ class StragglerEntry:
     detected_step: int
     lost_seconds: float | None
     excess_ms: dict[str, float]  # per cause
-    episodes: list[list[int | None]]  # [first, last] of each flagged stretch
+    episodes: list[list[int | None]]  # [first, last, detected] step of each flagged stretch (last None: open)
     host: str | None = None
     lost_gpu_seconds: float | None = None
     time_span: list[float] | None = None  # Unix seconds, its first flagged step's start to its last's end
@@ -60,6 +60,21 @@ class StragglerEntry:
     # seconds and as a share of the job's time while it was flagged
     saves_seconds: float | None = None
     saves_share: float | None = None
+    episode_spans: list[list[float] | None] = field(default_factory=list)  # per episode: Unix seconds, as time_span
+
+
+@dataclass
+class MinorEntry:
+    """A rank flagged only briefly, at a negligible cost: every episode ended, and fixing it would have saved
+    the job less than ``min_cost_share`` of its time (``detect._headline``). A detail, not a straggler."""
+
+    rank: int
+    cause: str
+    slowdown: float
+    episodes: list[list[int | None]]  # as ``StragglerEntry.episodes``
+    lost_seconds: float | None
+    saves_seconds: float | None
+    host: str | None = None
 
 
 @dataclass
@@ -173,6 +188,7 @@ class Report:
     lost_split: dict[str, float] | None = None
     # the time jitter alone would cost at 2, 8 and 64 times today's ranks (``jittertax.py``)
     jitter_tax: dict[str, Any] | None = None
+    minor: list[MinorEntry] = field(default_factory=list)  # brief flags of negligible cost: details
     extra: dict[str, Any] = field(default_factory=dict)  # an op-level trace's what-if
     schema: str = REPORT_SCHEMA
 
@@ -196,6 +212,7 @@ class Report:
         kw["stragglers"] = [StragglerEntry(**{**s, "context": [ContextSignal(**c) for c in s.get("context", [])],
                                               "code": [CodeSite(**c) for c in s.get("code", [])]})
                             for s in data["stragglers"]]  # fmt: skip
+        kw["minor"] = [MinorEntry(**m) for m in data.get("minor") or []]
         kw["busy_unavailable"] = [Unavailable(**u) for u in data["busy_unavailable"]]
         kw["group_imbalance"] = [GroupEntry(**g) for g in data["group_imbalance"]]
         kw["ranks"] = [RankRow(**r) for r in data["ranks"]]

@@ -21,6 +21,7 @@ import numpy as np
 
 from stragglerwatch.analysis.cost import TOP_K, top_k
 from stragglerwatch.analysis.intermittent import BLOCK
+from stragglerwatch.analysis.thresholds import floors
 from stragglerwatch.record.schema import GAP_COLUMNS, GAP_TEXT, GAPS
 
 if TYPE_CHECKING:
@@ -212,12 +213,31 @@ def _or_else(col: np.ndarray, fallback: Callable[[], np.ndarray]) -> np.ndarray:
     return np.where(missing, fallback(), col) if missing.any() else col
 
 
-def intervals(flag: np.ndarray) -> list[tuple[int, int | None]]:
-    """(index where a flag rose, index where it cleared or None) for one rank."""
+def intervals(flag: np.ndarray) -> list[tuple[int, int | None, int]]:
+    """(index where a flag rose, index where it cleared or None, index where the one before it cleared or 0:
+    the earliest its onset may lie) for one rank."""
     edges = np.diff(np.concatenate(([0], flag.astype(np.int8), [0])))
     rises = np.flatnonzero(edges == 1)
     falls = np.flatnonzero(edges == -1)
-    return [(int(r), int(f) if f < len(flag) else None) for r, f in zip(rises, falls, strict=True)]
+    ends = [int(f) if f < len(flag) else None for f in falls]
+    return [(int(r), f, int(ends[k - 1] or 0) if k else 0) for k, (r, f) in enumerate(zip(rises, ends, strict=True))]
+
+
+#: The furthest an onset is looked for before the step a flag rose, in level windows.
+LOOK_BACK = 8
+
+
+def _look(e: np.ndarray, cfg: DetectConfig) -> int:
+    """The most steps a flag in the series ``e`` can rise after its onset: the level median's window; or, where
+    the noise is many times the smallest change, the steps the level GLR (``consistency``) needs to be certain
+    of that change, ``2 x decision x (noise / change)^2`` (at most :data:`LOOK_BACK` level windows)."""
+    base = cfg.level_window + cfg.window + cfg.confirm
+    d = np.abs(np.diff(e[np.isfinite(e)]))
+    if not d.size:
+        return base
+    noise = 1.4826 * float(np.median(d)) / np.sqrt(2.0)
+    need = 2.0 * cfg.decision * (noise / floors(noise, cfg).slowdown) ** 2 + cfg.window + cfg.confirm
+    return int(min(LOOK_BACK * cfg.level_window, max(base, need)))
 
 
 def change_point(e: np.ndarray, lo: int, hi: int, level: float, onset: bool) -> int:
@@ -247,8 +267,9 @@ def other_max(stats_top1: np.ndarray, top1_at: np.ndarray, top2: np.ndarray, col
     return np.where(top1_at == column, top2, stats_top1)
 
 
-def describe(series: RankSeries, start: int, end: int | None, cfg: DetectConfig) -> dict:
-    """Onset, end, slowdown, cost and cause of one flagged stretch [start, end) of a rank."""
+def describe(series: RankSeries, start: int, end: int | None, cfg: DetectConfig, after: int = 0) -> dict:
+    """Onset, end, slowdown, cost and cause of one flagged stretch [start, end) of a rank; its onset lies at or
+    after ``after`` (where the rank's stretch before it ended)."""
     e = series.e
     stop = (end if end is not None else len(e)) - 1
     level = float(np.nanmedian(e[start : stop + 1]))
@@ -256,8 +277,8 @@ def describe(series: RankSeries, start: int, end: int | None, cfg: DetectConfig)
     intermittent = level < 0.5 * mean  # slow in one step of a few (``intermittent.py``): its onset and
     if intermittent:  # end are where its mean over a few steps changes
         e, level = _centred_mean(e, BLOCK), mean
-    look = cfg.level_window + cfg.window + cfg.confirm  # the latest a flag can rise after the onset
-    first = change_point(e, max(0, start - look), start, level, onset=True)
+    first = change_point(e, max(after, start - _look(e, cfg)), start, level, onset=True)
+    look = cfg.level_window + cfg.window + cfg.confirm
     last = None if end is None else change_point(e, max(first, end - look), end, level, onset=False)
     span = slice(first, (last if last is not None else stop) + 1)
     if intermittent:  # its busy time over its peers' in all (its median step is not a slow one)

@@ -10,7 +10,11 @@ Recording rules (all by ``run``, ``rank``):
 - ``stragglerwatch:busy_seconds:peer_median<W>``: median over the run's ranks;
 - ``stragglerwatch:busy_ratio:<W>``: each rank's busy time over the peer median;
 - ``stragglerwatch:phase_excess_seconds:<W>``: each phase's excess over the run's median;
-- ``stragglerwatch:step_seconds:mean<W>``: mean step time.
+- ``stragglerwatch:step_seconds:mean<W>``: mean step time;
+- ``stragglerwatch:lost_share:<W>`` (by ``run``): the share of the step the slowest rank's busy time
+  above the peer median costs, and ``stragglerwatch:slowest_saves_share:<W>``: what fixing that rank
+  would save (down to the next slowest); the rest is the next rank's and jitter's (the report's split,
+  ``lost_split``, over the rate window).
 Alerts: ``StragglerRank`` (ratio over a threshold for ``for``; the cause phase in
 the ``cause`` annotation; never for a run some rank of which cannot measure its busy
 time, ``stragglerwatch_busy_unavailable``), ``TrainingStalled`` (no step for far longer than
@@ -63,6 +67,15 @@ groups:
         expr: >-
           stragglerwatch:phase_seconds:mean{w}
           - on (run, phase) group_left quantile by (run, phase) (0.5, stragglerwatch:phase_seconds:mean{w})
+      - record: stragglerwatch:lost_share:{w}
+        expr: >-
+          (max by (run) (stragglerwatch:busy_seconds:mean{w}) - stragglerwatch:busy_seconds:peer_median{w})
+          / quantile by (run) (0.5, stragglerwatch:step_seconds:mean{w})
+      - record: stragglerwatch:slowest_saves_share:{w}
+        expr: >-
+          (max by (run) (stragglerwatch:busy_seconds:mean{w})
+          - max by (run) (stragglerwatch:busy_seconds:mean{w} unless topk by (run) (1, stragglerwatch:busy_seconds:mean{w})))
+          / quantile by (run) (0.5, stragglerwatch:step_seconds:mean{w})
   - name: stragglerwatch-alerts
     rules:
       - alert: StragglerRank

@@ -22,12 +22,37 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+MAX_EPISODES = 4  # episodes listed by step; the rest are counted
+
+
+def episodes_text(episodes: list[list[Any]]) -> str:
+    """``steps 10-40, 95-130 and 200-`` (an open episode has no end)."""
+    parts = [f"{e[0]}-{'' if e[1] is None else e[1]}" for e in episodes[:MAX_EPISODES]]
+    more = len(episodes) - len(parts)
+    if more:
+        parts.append(f"{more} more")
+    return "steps " + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0])
+
+
 def _steps(s: dict[str, Any]) -> str:
-    pauses = len(s.get("episodes") or []) - 1
-    paused = f", with {pauses} short pause{'s' if pauses > 1 else ''}" if pauses > 0 else ""
+    episodes = s.get("episodes") or []
+    still = ", still slow at the end" if s["last_step"] is None else ""
+    if len(episodes) > 1:
+        return f"in {len(episodes)} episodes ({episodes_text(episodes)}{still})"
     if s["last_step"] is None:
-        return f"since step {s['first_step']} (still slow at the end{paused})"
-    return f"from step {s['first_step']} to step {s['last_step']}" + (f" ({paused[2:]})" if paused else "")
+        return f"since step {s['first_step']} (still slow at the end)"
+    return f"from step {s['first_step']} to step {s['last_step']}"
+
+
+def minor_lines(report: dict[str, Any]) -> list[str]:
+    """The brief flags of negligible cost (``detect._headline``): one line for them all."""
+    minor = report.get("minor") or []
+    if not minor:
+        return []
+    parts = [f"rank {m['rank']} ({m['cause']}, {episodes_text(m['episodes'])}, "
+             f"fixing it saves {_duration(m['saves_seconds'])})" for m in minor[:MAX_TABLE_ROWS]]  # fmt: skip
+    more = f" and {len(minor) - MAX_TABLE_ROWS} more" if len(minor) > MAX_TABLE_ROWS else ""
+    return [f"brief flags of negligible cost (details, not stragglers): {'; '.join(parts)}{more}."]
 
 
 def code_text(s: dict[str, Any]) -> str:
@@ -100,6 +125,8 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
                              f"({mine['collectives_per_step']:g} a step compared)")  # fmt: skip
     else:
         lines.append("no consistently slow rank.")
+    if not unavailable:
+        lines += minor_lines(report)
     lines += arrival_lines(report)
     attempts = report.get("attempts") or []
     if len(attempts) > 1:
