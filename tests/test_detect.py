@@ -295,3 +295,17 @@ def test_a_brief_flag_of_negligible_cost_is_a_detail_and_a_lasting_one_a_straggl
     assert v.minor[0].saves_seconds < DetectConfig().min_cost_share * v.job_seconds
     lasting = run(replace(brief, injections=[Injection(3, 0.08, onset=700)]))
     assert [s.rank for s in lasting.stragglers] == [3] and lasting.minor == []
+
+
+def test_a_real_run_of_variable_lengths_on_a_crowded_host_names_the_rank_slow_per_token() -> None:
+    """``tests/data/varlen-mlp-4ranks``: 4 gloo ranks on two cores, variable-length batches through a real
+    MLP, rank 2 doing 50% more MLP work per token from step 120 (its busy time per token ~20% above its
+    peers'; 37% jitter a step after the work adjustment). The fixed-floor CUSUMs never flagged it; the level
+    GLR does, from about its onset, and names no other rank."""
+    from stragglerwatch.analysis.report import analyze_run
+
+    report = analyze_run(Path(__file__).parent / "data" / "varlen-mlp-4ranks").report
+    assert [(s["rank"], s["cause"]) for s in report["stragglers"]] == [(2, "compute")], report["stragglers"]
+    (s,) = report["stragglers"]
+    assert abs(s["first_step"] - 120) <= 40 and s["last_step"] is None and s["slowdown"] > 1.08
+    assert report["imbalance"]["unit"] == "tokens" and report["minor"] == []
