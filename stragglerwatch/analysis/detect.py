@@ -138,17 +138,21 @@ def _merge_episodes(found: list[Straggler], steps: np.ndarray) -> list[Straggler
 
 def _headline(stragglers: list[Straggler], job_seconds: float, cfg: DetectConfig
               ) -> tuple[list[Straggler], list[Straggler]]:  # fmt: skip
-    """The stragglers of the verdict, and the minor ones: every episode ended, and fixing the rank, with every
-    rank flagged at the same time, would have saved the job less than ``min_cost_share`` of its whole time (a
-    short spell of contention on a healthy run is a detail of the report, not a straggler; ranks slow together
-    save little one at a time, and are costed together)."""
+    """The stragglers of the verdict, and the minor ones: brief (every episode ended, under two level windows
+    of flagged steps in all) and of negligible cost (fixing the rank, with every rank flagged at the same
+    time, would have saved the job less than ``min_cost_share`` of its whole time). A short spell of
+    contention on a healthy run is a detail of the report, not a straggler; ranks slow together save little
+    one at a time, and are costed together; a long episode is a straggler whatever it cost."""
     least = cfg.min_cost_share * job_seconds
+
+    def brief(x: Straggler) -> bool:
+        return x.last_step is not None and sum(int(b) - a + 1 for a, b, _ in x.episodes) < 2 * cfg.level_window  # type: ignore[arg-type]
 
     def overlap(x: Straggler, y: Straggler) -> bool:
         return any(a <= (d if d is not None else a) and c <= (b if b is not None else c)
                    for a, b, _ in x.episodes for c, d, _ in y.episodes)  # fmt: skip
 
-    minor = [s for s in stragglers if s.last_step is not None and s.saves_seconds < least
+    minor = [s for s in stragglers if brief(s) and s.saves_seconds < least
              and sum(o.saves_seconds for o in stragglers if overlap(s, o)) < least]  # fmt: skip
     return [s for s in stragglers if s not in minor], minor
 

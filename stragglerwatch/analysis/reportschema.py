@@ -65,8 +65,9 @@ class StragglerEntry:
 
 @dataclass
 class MinorEntry:
-    """A rank flagged only briefly, at a negligible cost: every episode ended, and fixing it would have saved
-    the job less than ``min_cost_share`` of its time (``detect._headline``). A detail, not a straggler."""
+    """A rank flagged only briefly, at a negligible cost: every episode ended, under 128 flagged steps in all,
+    and fixing it would have saved the job less than ``min_cost_share`` of its time (``detect._headline``).
+    A detail, not a straggler."""
 
     rank: int
     cause: str
