@@ -28,7 +28,6 @@ Design (DESIGN.md, "Peers, consistency, cause, cost"):
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -38,6 +37,7 @@ from stragglerwatch.analysis import imbalance as imb
 from stragglerwatch.analysis.consistency import AT_CLASSIC
 from stragglerwatch.analysis.consistency import flags as consistency_flags
 from stragglerwatch.analysis.cost import cost_in_turn
+from stragglerwatch.analysis.episodes import spells
 from stragglerwatch.analysis.stages import (
     CAUSES,
     Groups,
@@ -89,18 +89,6 @@ class Straggler:
         each flag, counts."""
         return [replace(self, first_step=a, last_step=b, detected_step=d, episodes=[(a, b, d)])
                 for a, b, d in spells(self.episodes, gap)]  # fmt: skip
-
-
-def spells(episodes: Sequence[Sequence[int | None]], gap: int) -> list[tuple[int, int | None, int]]:
-    """``(first, last, detected)`` episodes (in step order) with those at most ``gap`` steps after the one
-    before joined: a short pause (a stall, a gap in the data) makes no new spell."""
-    out: list[tuple[int, int | None, int]] = []
-    for first, last, detected in episodes:
-        if out and out[-1][1] is not None and int(first) - int(out[-1][1]) <= gap:  # type: ignore[arg-type]
-            out[-1] = (out[-1][0], last, out[-1][2])
-        else:
-            out.append((int(first), last, int(detected)))  # type: ignore[arg-type]
-    return out
 
 
 def _merge_episodes(found: list[Straggler], steps: np.ndarray) -> list[Straggler]:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from stragglerwatch.analysis.detect import spells
+from stragglerwatch.analysis.episodes import spells
 from stragglerwatch.record.rundir import where_ran
 
 #: The causes a straggler can be given (``stages.CAUSES``).
