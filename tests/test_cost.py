@@ -128,3 +128,17 @@ def test_report_splits_the_lost_time_and_the_live_path_agrees(tmp_path: Path) ->
     assert settled["lost_split"] == split
     assert [{**x, "time_span": None, "episode_spans": None} for x in settled["stragglers"]] == \
         [{**x, "time_span": None, "episode_spans": None} for x in report["stragglers"]]  # the same run, written twice
+
+
+def test_a_heavier_peer_group_is_its_own_part_of_the_lost_time(tmp_path: Path) -> None:
+    """A pipeline stage 30% busier than the other by design holds every step: that time is lost to unequal peer
+    groups, not to jitter; with one group there is no such part."""
+    skewed = analyze_run(write_run(tmp_path / "stages", SimConfig(ranks=8, steps=300, groups=2, group_skew=0.3,
+                                                                  noise=0.02, seed=3))).report  # fmt: skip
+    split = skewed["lost_split"]
+    assert skewed["stragglers"] == [] and [g["group"] for g in skewed["group_imbalance"]] == ["group1"]
+    assert split["groups"] > 2 * split["jitter"] > 0, split
+    assert sum(split.values()) == pytest.approx(skewed["lost_seconds"], abs=1e-3)
+    assert f"{split['groups']:.1f} s to unequal peer groups" in " ".join(render_text(skewed).split())
+    flat = analyze_run(write_run(tmp_path / "one", SimConfig(ranks=8, steps=300, noise=0.02, seed=3))).report
+    assert flat["lost_split"]["groups"] == 0.0 and flat["lost_split"]["jitter"] > 0

@@ -171,14 +171,3 @@ def test_compiled_tensor_parallel_partner_is_cleared_by_arrival_order(tmp_path: 
     live = LiveRun(run)
     live.update()
     assert [s["rank"] for s in live.analysis.report["stragglers"]] == [3], "the live path (dashboard, policy) agrees"
-
-
-def test_pipeline_gpipe_flags_only_the_slow_stage_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Two GPipe stages on pp x two replicas on dp: the slow rank's stage partner waits in the pipeline's
-    sends and receives, its replica in the gradient all-reduce; only the slow rank is flagged."""
-    run, df = run_job(tmp_path, "pipeline", "--slow-rank", "3", "--cause", "compute", nproc=4, steps=28)
-    r = report(run, capsys)
-    only_straggler(r, 3, "compute")
-    assert r["group_imbalance"] == [], "the slow rank's stage is not a slow stage"
-    partner = df[(df["step"] >= 12) & (df["rank"] == 2)]
-    assert partner["collective_wait_s"].median() > DELAY, "the stage partner waits in the pipeline's receives"

@@ -174,6 +174,9 @@ class Verdict:
     healthy: np.ndarray | None = None  # ranks never flagged before the cost test (the jitter tax's ranks)
     jitter_hosts: np.ndarray | None = None  # steps x hosts of the healthy ranks (``jittertax``): the Ray engine's
     jitter_ranks: int = 0
+    # of ``lost_seconds``, what the busiest rank's peer group (e.g. the heavier pipeline stage) took above the
+    # job's reference by its healthy level: unequal groups, not jitter (0 with one group)
+    groups_lost_seconds: float = 0.0
 
     @property
     def job_slowdown(self) -> float:
@@ -250,12 +253,12 @@ def detect(
     for j in np.flatnonzero(flags.any(axis=0)):
         col = health.ref_h[:, g.index[j]]
         series = RankSeries(excess[:, j], busy[:, j], [p[:, j] for p in phases], col,
-                            other_max(stats.top1, stats.top1_at, stats.top2, j), health.peer_phase)  # fmt: skip
+                            other_max(stats.top_v, stats.top_c, g.index[j], j), health.peer_phase)  # fmt: skip
         found += [straggler(int(mat.ranks[j]), mat.steps, series, a, b, cfg, bool(classic[a:b, j].any()), after)
                   for a, b, after in intervals(flags[:, j])]  # fmt: skip
     slowdown = busy / health.ref_h[:, g.index] if busy.size else np.zeros(busy.shape)
     result = verdict(mat.ranks, mat.steps, found, stats, health, g, cfg, thresholds, slowdown, flags)
-    result.healthy = never
+    result.healthy = never & g.paired()
     if model is not None:
         im = result.imbalance = imb.assess(raw, model, g, flags.any(axis=0), mat.ranks, result.job_seconds,
                                            cfg.imbalance_min_slowdown, unit, column)  # fmt: skip
@@ -312,8 +315,9 @@ def verdict(
     flags of the others are cleared (``flags`` is changed in place)."""
     found = _costly(found, ranks, steps, stats, health, groups, cfg, flags)
     step_job = np.nan_to_num(stats.step_med)
-    waste = np.clip(np.nan_to_num(stats.top1 - health.ref_job), 0.0, step_job)
+    waste = np.clip(np.maximum(np.nan_to_num(stats.top1 - health.ref_job), _held(stats, health)), 0.0, step_job)
     job = float(step_job.sum())
+    groups_waste = _groups_waste(stats, health, groups, waste)
     stragglers, minor = _headline(_merge_episodes(found, steps), job, cfg)
     stragglers.sort(key=lambda s: -s.lost_seconds)
     with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
@@ -334,7 +338,30 @@ def verdict(
         thresholds=thresholds,
         slowdown=slowdown,
         flags=flags,
+        groups_lost_seconds=groups_waste,
     )
+
+
+def _held(stats: StepStats, health: HealthyStats) -> np.ndarray:
+    """Per step, the most any one rank holds the step by, costed within its group (``stages.other_max``): its
+    busy time above its group's healthy level and every other rank of its group. With one group it is never
+    more than the busiest rank's excess over the job's reference; with pipeline stages it can be (a slow rank
+    of a light stage still holds its pipeline)."""
+    if stats.top_v.ndim != 3 or stats.top_v.shape[2] < 2 or not stats.top_v.shape[1]:
+        return np.zeros(len(stats.step_med))
+    with np.errstate(invalid="ignore"):
+        held = stats.top_v[:, :, 0] - np.fmax(health.ref_h, stats.top_v[:, :, 1])
+    return np.nan_to_num(np.max(np.where(np.isfinite(held), held, 0.0), axis=1), posinf=0.0, neginf=0.0)
+
+
+def _groups_waste(stats: StepStats, health: HealthyStats, groups: Groups, waste: np.ndarray) -> float:
+    """Of each step's lost time, the part that the busiest rank's group holds by its healthy level above the
+    job's reference (``health.ref_job``): a heavier peer group (a pipeline stage, a role), summed over steps."""
+    if len(groups.names) < 2 or not len(waste):
+        return 0.0
+    top_group = groups.index[np.clip(stats.top1_at, 0, len(groups.index) - 1)]
+    level = health.ref_h[np.arange(len(waste)), top_group]
+    return float(np.clip(np.nan_to_num(level - health.ref_job), 0.0, waste).sum())
 
 
 def _costly(found: list[Straggler], ranks: np.ndarray, steps: np.ndarray, stats: StepStats, health: HealthyStats,

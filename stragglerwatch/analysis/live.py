@@ -412,13 +412,13 @@ class LiveRun:
         for j in np.flatnonzero(~never):
             series = RankSeries(np.ascontiguousarray(d["e"][:n, j]), np.ascontiguousarray(v["busy_s"][:, j]),
                                 [np.ascontiguousarray(p[:, j]) for p in phases], full.ref_h[:, g.index[j]],
-                                other_max(stats.top1, stats.top1_at, stats.top2, j), full.peer_phase)  # fmt: skip
+                                other_max(stats.top_v, stats.top_c, g.index[j], j), full.peer_phase)  # fmt: skip
             found += [straggler(int(self.ranks[j]), self.steps, series, a, b, cfg, bool(classic[a:b, j].any()),
                                 after) for a, b, after in intervals(flags[:, j])]  # fmt: skip
         slowdown = v["busy_s"] / full.ref_h[:, g.index]
         result = verdict(self.ranks, self.steps, found, stats, full, g, cfg, cons.thresholds(self.sc, cfg),  # type: ignore[arg-type]
                          slowdown, flags)  # fmt: skip
-        result.healthy = never
+        result.healthy = never & g.paired()
         self.figures = self._figures(mat, result)
         return self._report(mat, result, (self.steps, d["start"][:n], d["end"][:n]))
 

@@ -152,7 +152,7 @@ def _describe(block: slice, steps: np.ndarray, ranks: np.ndarray, found: list, g
         j = col - block.start
         phases = [np.concatenate([p["phases"][c][:, j] for p in pieces]) for c in range(len(pieces[0]["phases"]))]
         series = RankSeries(np.ascontiguousarray(state.e[:, j]), np.ascontiguousarray(busy[:, j]), phases,
-                            ref_h[:, groups.index[col]], other_max(job["top1"], job["top1_at"], job["top2"], col),
+                            ref_h[:, groups.index[col]], other_max(job["top_v"], job["top_c"], groups.index[col], col),
                             job["peer_phase"])  # fmt: skip
         out.append(straggler(int(ranks[col]), steps, series, a, b, cfg, classic, after))
     return slowdown, out, hosts
@@ -249,8 +249,8 @@ def analyze_on_ray(
     health = HealthyStats(np.concatenate([h.ref_h for h in healthy]), np.concatenate([h.ref_job for h in healthy]),
                           np.concatenate([h.peer_phase for h in healthy]))  # fmt: skip
     hosts = host_names(ranks, rank_meta)
-    job = {"ref_h": health.ref_h, "top1": stats.top1, "top1_at": stats.top1_at, "top2": stats.top2,
-           "peer_phase": health.peer_phase, "healthy": never, "hosts": hosts,
+    job = {"ref_h": health.ref_h, "top_v": stats.top_v, "top_c": stats.top_c,
+           "peer_phase": health.peer_phase, "healthy": never & groups.paired(), "hosts": hosts,
            "host_names": np.unique(hosts[never])}  # fmt: skip
     job_ref = ray.put(job)
     say("describe")
@@ -264,7 +264,8 @@ def analyze_on_ray(
                      thresholds, empty, empty.astype(bool))  # fmt: skip
     result.healthy = never
     if described:
-        result.jitter_hosts, result.jitter_ranks = np.fmax.reduce([h for _, _, h in described]), int(never.sum())
+        result.jitter_hosts = np.fmax.reduce([h for _, _, h in described])
+        result.jitter_ranks = int((never & groups.paired()).sum())
     figures = RankFigures(
         ranks,
         {c: np.concatenate([s["medians"][c] for s in summaries]) for c in RANK_COLUMNS},

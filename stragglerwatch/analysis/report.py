@@ -49,7 +49,7 @@ from stragglerwatch.analysis.reportschema import (
     StragglerEntry,
     Unavailable,
 )
-from stragglerwatch.analysis.stages import last_rows, nanmedian, rank_medians
+from stragglerwatch.analysis.stages import Groups, last_rows, nanmedian, rank_medians
 from stragglerwatch.analysis.thresholds import DetectConfig
 from stragglerwatch.record.codelog import load_code
 from stragglerwatch.record.collectives import CollectiveReader, Collectives, load_collectives
@@ -183,6 +183,7 @@ def build_report(
         imbalance=None if verdict.imbalance is None or unavailable else imbalance_entry(verdict.imbalance, world),
     )
     report.lost_split = None if unavailable else lost_split(verdict)
+    report.unpaired = unpaired(figures.ranks, roles)
     report.jitter_tax = None if unavailable else jitter_projection(verdict, figures, rank_meta)
     if unavailable:  # every figure that compares busy times would be a guess
         report.ideal_seconds = report.job_slowdown = report.lost_seconds = report.lost_gpu_seconds = None
@@ -192,17 +193,30 @@ def build_report(
     return report
 
 
+def unpaired(ranks: np.ndarray, roles: dict[int, Any]) -> list[int] | None:
+    """The ranks alone in their peer group (role), where there are several ranks: None when every rank has a
+    peer. A pipeline whose stages are one rank each compares no rank with another."""
+    if len(ranks) < 2:
+        return None
+    alone = [int(r) for r, ok in zip(ranks, Groups.of(ranks, roles).paired(), strict=True) if not ok]
+    return alone or None
+
+
 def lost_split(verdict: Verdict) -> dict[str, float]:
     """Where the job's lost time went: what fixing the flagged stragglers would save, what unequal work cost
-    (where detected), and the rest, jitter: at every step some rank is the slowest by chance."""
-    stragglers = float(sum(s.saves_seconds for s in verdict.stragglers))
+    (where detected), what unequal peer groups cost (a heavier pipeline stage or role: ``groups``), and the
+    rest, jitter: at every step some rank is the slowest by chance. Each part is capped by what is left."""
+    left = float(verdict.lost_seconds)
     im = verdict.imbalance
-    imbalance = float(im.lost_seconds or 0.0) if im is not None and im.detected else 0.0
-    lost = float(verdict.lost_seconds)
-    stragglers = min(stragglers, lost)
-    imbalance = min(imbalance, lost - stragglers)
-    return {"stragglers": round(stragglers, 4), "imbalance": round(imbalance, 4),
-            "jitter": round(max(0.0, lost - stragglers - imbalance), 4)}  # fmt: skip
+    parts = {"stragglers": float(sum(s.saves_seconds for s in verdict.stragglers)),
+             "imbalance": float(im.lost_seconds or 0.0) if im is not None and im.detected else 0.0,
+             "groups": float(verdict.groups_lost_seconds)}  # fmt: skip
+    out = {}
+    for name, value in parts.items():
+        out[name] = round(min(max(value, 0.0), left), 4)
+        left = max(0.0, left - out[name])
+    out["jitter"] = round(left, 4)
+    return out
 
 
 def jitter_projection(verdict: Verdict, figures: RankFigures, rank_meta: dict[int, dict]) -> dict | None:

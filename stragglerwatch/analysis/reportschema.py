@@ -190,6 +190,8 @@ class Report:
     # the time jitter alone would cost at 2, 8 and 64 times today's ranks (``jittertax.py``)
     jitter_tax: dict[str, Any] | None = None
     minor: list[MinorEntry] = field(default_factory=list)  # brief flags of negligible cost: details
+    # ranks alone in their peer group (a pipeline stage of one rank): compared with nobody, never flagged
+    unpaired: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # an op-level trace's what-if
     schema: str = REPORT_SCHEMA
 
@@ -228,7 +230,8 @@ class Report:
 
 #: Keys the JSON has only when the analysis had their source.
 _OPTIONAL = {"arrivals", "lost_split", "jitter_tax", "run_dir", "events", "attempts", "log_events",
-             "first_failure", "log_lines", "log_skipped_lines", "flight_recorder", "hang_verdict", "imbalance"}
+             "first_failure", "log_lines", "log_skipped_lines", "flight_recorder", "hang_verdict", "imbalance",
+             "unpaired"}
 
 
 def _plain(value: Any) -> Any:

@@ -71,6 +71,12 @@ class Groups:
         index = np.array([names.index(g) for g in group_of], dtype=np.int64)
         return cls(names, [np.flatnonzero(index == i) for i in range(len(names))], index)
 
+    def paired(self) -> np.ndarray:
+        """Per rank (column): whether it has a peer. A rank alone in its group (a pipeline stage of one rank)
+        is compared with nobody: it is never flagged, and its jitter is not measured."""
+        sizes = np.array([len(m) for m in self.members], dtype=np.int64)
+        return sizes[self.index] >= 2 if len(self.index) else np.zeros(0, dtype=bool)
+
 
 @dataclass
 class StepStats:
@@ -263,8 +269,12 @@ class RankSeries:
     peer_phase: np.ndarray  # steps x causes
 
 
-def other_max(stats_top1: np.ndarray, top1_at: np.ndarray, top2: np.ndarray, column: int) -> np.ndarray:
-    return np.where(top1_at == column, top2, stats_top1)
+def other_max(top_v: np.ndarray, top_c: np.ndarray, group: int, column: int) -> np.ndarray:
+    """Per step, the largest busy time of another rank of the column's peer group (``StepStats.top_v``/``top_c``):
+    what the step would wait for without the rank's excess. A rank is costed within its group: a pipeline's
+    stages run one after the other, so a slow stage holds the step by its excess over its own stage's ranks,
+    whatever the other stages take (with one group, the busiest other rank of the job)."""
+    return np.where(top_c[:, group, 0] == column, top_v[:, group, 1], top_v[:, group, 0])
 
 
 def describe(series: RankSeries, start: int, end: int | None, cfg: DetectConfig, after: int = 0) -> dict:

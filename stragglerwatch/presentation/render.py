@@ -135,6 +135,12 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"{len(attempts)} attempts, steps numbered on across them: {starts}.")
     for g in report.get("group_imbalance", []):
         lines.append(f"group imbalance: {g['group']} (ranks {_ranks(g['ranks'])}) is {g['slowdown']:.2f}x as busy")
+    if report.get("unpaired"):
+        roles = {row["rank"]: row.get("role") for row in report.get("ranks", [])}
+        alone = ", ".join(f"{r} ({roles.get(r)})" if roles.get(r) else str(r) for r in report["unpaired"])
+        lines.append(f"not compared: rank{'s' if len(report['unpaired']) > 1 else ''} {alone}, each alone in its peer "
+                     "group (role, e.g. a pipeline stage of one rank): a rank is compared only with ranks of its own "
+                     "role, so none of these can be flagged; the groups are compared instead.")
     lines += imbalance_lines(report)
     for h in report.get("hangs", []):
         lines.append(hang_line(h))
@@ -186,6 +192,8 @@ def _split_text(split: dict[str, float]) -> str:
     parts = [f"{_duration(split.get('stragglers', 0.0))} to the flagged stragglers"]
     if split.get("imbalance"):
         parts.append(f"{_duration(split['imbalance'])} to unequal work")
+    if split.get("groups"):
+        parts.append(f"{_duration(split['groups'])} to unequal peer groups (the busier stage or role)")
     parts.append(f"{_duration(split.get('jitter', 0.0))} to jitter (whichever rank is slowest at a step)")
     return ": " + ", ".join(parts)
 

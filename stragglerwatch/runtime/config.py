@@ -140,7 +140,9 @@ class Config:
     the run dir."""
 
     role: str | None = None
-    """This rank's peer group, e.g. ``"stage3"`` of a pipeline: ranks are compared only within it."""
+    """This rank's peer group, e.g. ``"stage3"`` of a pipeline: ranks are compared only within it. Default:
+    taken from the ``PipelineStage`` that runs the model (``pp=<its place in the pipeline>``) and from the
+    device mesh's dimensions that are not data parallel (``tp=1``); none for plain data parallelism."""
 
     bucket_timings: bool = False
     """Also record each gradient bucket's ready time and all-reduce duration, through a DDP

@@ -45,7 +45,7 @@ from stragglerwatch.runtime.capture.collectives import CollectiveLog
 from stragglerwatch.runtime.capture.coverage import UnavailableNotes, coverage_notes, unseen_communication
 from stragglerwatch.runtime.capture.datamark import DataMark, mark_fetch
 from stragglerwatch.runtime.capture.devices import CaptureGate, CudaMarks, compute_device, device_progress
-from stragglerwatch.runtime.capture.models import ModelInfo, inspect_model, mesh_role
+from stragglerwatch.runtime.capture.models import LateStageRole, ModelInfo, inspect_model, pipeline_role, pipeline_stage
 from stragglerwatch.runtime.capture.probes import StepProbe, TimedIterable
 from stragglerwatch.runtime.capture.shadows import (
     time_as_forward,
@@ -515,7 +515,7 @@ def _metadata(watch: Watch, parts: ModelInfo, cfg: Config, device: torch.device,
                 "compiled": parts.compiled, "bucket_timings": _bucket_timings(parts, cfg),
                 "context_interval_s": cfg.context_interval_s,
                 "code_sample_hz": CODE_HZ if cfg.code_sample_hz is None else cfg.code_sample_hz}  # fmt: skip
-    role = cfg.role if cfg.role is not None else mesh_role(parts.mesh)
+    role = cfg.role if cfg.role is not None else pipeline_role(pipeline_stage(*parts.modules()), parts.mesh)
     rank_meta: dict[str, Any] = {"device": str(device), "timing": "cuda" if on_gpu else "host", "role": role}
     unseen = unseen_communication(parts.target or model)
     coverage = coverage_notes(parts.target or model, parts.compiled, info.world_size)
@@ -570,6 +570,8 @@ def _start_capture(watch: Watch, parts: ModelInfo, cfg: Config, on_gpu: bool, wr
     )
     notes = watch._notes = UnavailableNotes(info, rank_meta, probe)
     writer.observers += [notes, watch._observe]
+    if cfg.role is None and rank_meta.get("role") is None:  # a pipeline stage built after attach
+        writer.observers.append(LateStageRole(parts, rank_meta, write_metadata))
     if info.world_size > 1:  # the arrival order at every collective, from PyTorch's own record, off this thread
         watch._collectives = CollectiveLog(info.run_dir / f"collectives-{info.rank:05d}.jsonl", lambda: probe.thread,
                                            ids=(info.restart, info.attach), problems=problems)  # fmt: skip

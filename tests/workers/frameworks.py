@@ -5,8 +5,9 @@ README says. Run under torchrun (2 CPU ranks, gloo).
 ``hf`` (transformers Trainer with evaluation and logging), ``accelerate`` (``accelerator.prepare``,
 ``accelerator.accumulate``), ``fsdp2`` (``fully_shard`` per block and on the root), ``compile``
 (``torch.compile(DDP(model))``), ``tp`` (FSDP2 on the ``dp`` dimension of a dp x tp mesh, the MLP's first
-layer column-wise and its second row-wise; ``--compile-tp`` compiles it), ``pipeline`` (a GPipe schedule
-of two stages on the ``pp`` dimension of a dp x pp mesh, DDP-style gradient all-reduce on ``dp``).
+layer column-wise and its second row-wise; ``--compile-tp`` compiles it), ``pipeline`` (a GPipe or 1F1B schedule
+of two stages on the ``pp`` dimension of a dp x pp mesh, a DDP-style gradient all-reduce on ``dp`` or FSDP2 per
+stage; the role is left to attach to find unless ``--role`` is given).
 ``--accumulate N`` accumulates gradients over N micro-batches.
 Injection from step ``--from-step`` on ``--slow-rank``: ``compute`` sleeps in forward and backward,
 ``data`` sleeps in the batch collation (in the fetch).
@@ -299,30 +300,45 @@ def run_tp(args: argparse.Namespace, injection: Injection) -> None:
 
 
 class Stage(Injected):
-    """One pipeline stage: two layers, the compute injection between them."""
+    """One pipeline stage: two layers, the compute injection between them; a heavier stage (by design, on
+    every rank of it) does ``extra_s`` more work in each micro-batch's forward."""
 
-    def __init__(self, injection: Injection, first: bool, last: bool):
+    def __init__(self, injection: Injection, first: bool, last: bool, extra_s: float = 0.0):
         super().__init__(injection)
         self.a = nn.Linear(FEATURES if first else HIDDEN, HIDDEN)
         self.b = nn.Linear(HIDDEN, 1 if last else HIDDEN)
+        self.extra_s = extra_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.extra_s:
+            time.sleep(self.extra_s)
         return self.b(self.slow(torch.relu(self.a(x))))
 
 
 def run_pipeline(args: argparse.Namespace, injection: Injection) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "pp"))
     stage_index, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    microbatches = 2
-    injection.from_batch *= microbatches  # the injection counts stage forwards: one per micro-batch
+    microbatches = args.microbatches
+    if args.cause == "compute":  # the compute injection counts stage forwards: one per micro-batch
+        injection.from_batch *= microbatches
     torch.manual_seed(stage_index)
-    module = Stage(injection, first=stage_index == 0, last=stage_index == 1)
+    extra = args.heavy_ms * 1e-3 if stage_index == args.heavy_stage else 0.0
+    module = Stage(injection, first=stage_index == 0, last=stage_index == 1, extra_s=extra)
+    if args.stage_fsdp:  # FSDP2 per stage on the dp dimension (the torchtitan recipe)
+        fully_shard(module, mesh=mesh["dp"])
+    # the role (this rank's stage) comes from the pipeline stage, built before attach or after; --role overrides it
+    role = {"role": args.role.format(stage=stage_index)} if args.role else {}
+    if args.attach_first:
+        watch = stragglerwatch.attach(module, args.run_dir, watchdog_timeout_s=0, **role)
     stage = PipelineStage(module, stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group())
-    schedule = ScheduleGPipe(stage, microbatches, loss_fn=nn.functional.mse_loss)
-    watch = stragglerwatch.attach(module, args.run_dir, watchdog_timeout_s=0, role=f"pp={stage_index}")
+    schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    schedule = schedules[args.schedule](stage, microbatches, loss_fn=nn.functional.mse_loss)
+    if not args.attach_first:
+        watch = stragglerwatch.attach(module, args.run_dir, watchdog_timeout_s=0, **role)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
     dp_group = mesh["dp"].get_group()
     loader = DataLoader(Points(batches_needed(args), seed=dp), batch_size=args.batch, collate_fn=Collate(injection))
@@ -331,8 +347,9 @@ def run_pipeline(args: argparse.Namespace, injection: Injection) -> None:
             schedule.step(batch["x"])
         else:
             schedule.step(target=batch["labels"])
-        for p in module.parameters():  # data parallel across the replicas of this stage
-            dist.all_reduce(p.grad, group=dp_group)
+        if not args.stage_fsdp:
+            for p in module.parameters():  # data parallel across the replicas of this stage
+                dist.all_reduce(p.grad, group=dp_group)
         optimizer.step()
         optimizer.zero_grad()
 
@@ -358,6 +375,13 @@ def main(argv: list[str] | None = None) -> None:
         default="1d",
         help="FSDP2's device mesh; lightning-fsdp2: Lightning's ModelParallelStrategy",
     )
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe", help="pipeline: the schedule")
+    p.add_argument("--microbatches", type=int, default=2, help="pipeline: micro-batches a step")
+    p.add_argument("--stage-fsdp", action="store_true", help="pipeline: FSDP2 per stage on dp (else all-reduce)")
+    p.add_argument("--attach-first", action="store_true", help="pipeline: attach before building the stage")
+    p.add_argument("--heavy-stage", type=int, default=-1, help="pipeline: the stage heavier by design")
+    p.add_argument("--heavy-ms", type=float, default=3.0, help="pipeline: its extra ms a micro-batch")
+    p.add_argument("--role", help="pipeline: attach's role=, '{stage}' the stage index (default: from the stage)")
     p.add_argument("--trainer-logs", help="Lightning/HF: log to the trainer's loggers, written under this dir")
     p.add_argument("--manual", action="store_true", help="Lightning: manual optimization")
     args = p.parse_args(argv)

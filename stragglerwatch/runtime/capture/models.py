@@ -11,10 +11,16 @@ Nothing here registers a hook or imports an optional package: classes are recogn
 - FSDP2 (``fully_shard``): every FSDP state and parameter group under the model; their mesh
   gives the rank's peer group (``role``): the coordinates on the mesh dimensions that are not
   data-parallel. Ranks differing only in their data-parallel coordinates do the same work.
+- ``torch.distributed.pipelining``: the ``PipelineStage`` that runs the model (found among the
+  objects that hold it, only where that package is loaded) gives the rank's place in the pipeline,
+  ``pp=<its rank in the pipeline group>``: ranks of one stage are peers, the stages are not.
 """
 
 from __future__ import annotations
 
+import gc
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +48,10 @@ class ModelInfo:
     @property
     def fsdp2(self) -> bool:
         return bool(self.fsdp_states)
+
+    def modules(self) -> list[torch.nn.Module]:
+        """The watched model's layers, outside in: what a pipeline stage may hold as its ``submod``."""
+        return [m for m in (self.outer, self.ddp, self.target) if m is not None]
 
 
 def _fsdp2_parts(module: torch.nn.Module) -> tuple[list[Any], list[Any]]:
@@ -112,3 +122,60 @@ def mesh_role(mesh: Any) -> str | None:
         return ",".join(parts) or None
     except Exception:
         return None
+
+
+def pipeline_stage(*modules: Any) -> Any | None:
+    """The ``torch.distributed.pipelining`` stage that runs one of ``modules`` (its ``submod``), or None.
+    Looked for among the objects that refer to each module, only where the pipelining package is loaded
+    (one pass over the referrers: a one-off cost at attach)."""
+    loaded = sys.modules.get("torch.distributed.pipelining.stage")
+    base = getattr(loaded, "_PipelineStageBase", None)
+    if base is None:
+        return None
+    for module in modules:
+        if module is None:
+            continue
+        for ref in gc.get_referrers(module):
+            if isinstance(ref, base) and getattr(ref, "submod", None) is module:
+                return ref
+            if isinstance(ref, dict) and ref.get("submod") is module:  # an instance's __dict__
+                for owner in gc.get_referrers(ref):
+                    if isinstance(owner, base) and getattr(owner, "__dict__", None) is ref:
+                        return owner
+    return None
+
+
+def pipeline_role(stage: Any, mesh: Any = None) -> str | None:
+    """The peer group of a rank running ``stage``: ``pp=<its rank in the pipeline group>`` (its stage;
+    with interleaved schedules the rank's stages together), joined with the mesh's other coordinates
+    (``mesh_role``), which give the stage themselves where the mesh has a ``pp`` dimension."""
+    from_mesh = mesh_role(mesh)
+    if stage is None or (from_mesh and any(part.startswith("pp=") for part in from_mesh.split(","))):
+        return from_mesh
+    try:
+        place = int(stage.group_rank)
+    except Exception:
+        return from_mesh
+    return ",".join([f"pp={place}", *([from_mesh] if from_mesh else [])])
+
+
+class LateStageRole:
+    """Takes the role from a pipeline stage built after ``attach``: once, at the first records the step log
+    writes (on its thread), where the pipelining package is loaded by then; rewrites the rank's metadata."""
+
+    def __init__(self, parts: ModelInfo, rank_meta: dict[str, Any], write: Callable[[], None]):
+        self.parts, self.rank_meta, self.write = parts, rank_meta, write
+        self.done = False
+
+    def __call__(self, records: list[Any]) -> None:
+        if self.done or not records:
+            return
+        self.done = True
+        stage = pipeline_stage(*self.parts.modules())
+        role = pipeline_role(stage, self.parts.mesh) if stage is not None else None
+        if role is not None:
+            self.rank_meta["role"] = role
+            try:
+                self.write()
+            except OSError:
+                pass  # the role stays unknown to the analysis, as before; training goes on
