@@ -115,3 +115,59 @@ def test_default_run_dir_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     with stragglerwatch.attach(model) as watch:
         assert watch.run_dir.parent == Path("stragglerwatch-runs")
     assert (tmp_path / watch.run_dir / "rank-00000.json").exists()
+
+
+class DeepSpeedEngine(nn.Module):
+    """Named as DeepSpeed's engine, the module its training loop calls (DeepSpeed itself is not needed)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def test_deepspeed_is_refused_in_one_line_and_training_goes_on_untouched(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch.manual_seed(0)
+    engine = DeepSpeedEngine(nn.Linear(16, 4))
+    twin = DeepSpeedEngine(nn.Linear(16, 4))
+    twin.load_state_dict(engine.state_dict())
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (engine, twin))
+    before = hook_counts(engine, opt)
+    batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(3)]
+    for given in (engine, torch.compile(engine)):  # refused also inside torch.compile's wrapper
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="stragglerwatch"):
+            watch = stragglerwatch.attach(given, tmp_path / "run", optimizer=opt)
+        (line,) = [r.getMessage() for r in caplog.records if r.name == "stragglerwatch"]
+        assert line.startswith("stragglerwatch: DeepSpeed (DeepSpeedEngine) is not supported: its ZeRO communication "
+                               "is not timed") and "\n" not in line, line  # fmt: skip
+        assert "training goes on unwatched" in line and "FSDP2 (fully_shard) or use DDP" in line
+        assert not watch.enabled and watch.stats()["problems"] == {"attach": 1}
+        assert hook_counts(engine, opt) == before, "nothing registered"
+        assert watch.wrap(batches) is batches
+        watch.close()
+    train(engine, opt, batches)
+    train(twin, twin_opt, batches)
+    assert all(torch.equal(a, b) for a, b in zip(engine.parameters(), twin.parameters(), strict=True))
+    assert not (tmp_path / "run").exists(), "a refused model leaves nothing behind"
+
+
+def test_fsdp1_is_timed_on_the_cpu_and_unavailable_on_an_accelerator() -> None:
+    """On an accelerator FSDP1 waits for its collectives on streams of its own, which no bracket times; its
+    units may sit below a plain root (the real FSDP1 on the CPU: tests/test_frameworks_distributed.py)."""
+    from stragglerwatch.runtime.capture.coverage import unseen_communication
+
+    class FullyShardedDataParallel(nn.Module):  # the class name is what is checked: no process group needed
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+    model = nn.Sequential(nn.Linear(4, 4), FullyShardedDataParallel())
+    assert unseen_communication(model, "cpu") is None
+    reason = unseen_communication(model, "cuda")
+    assert reason is not None and reason.startswith("FSDP1 (FullyShardedDataParallel) on cuda: its all-gathers")
+    assert unseen_communication(nn.Sequential(nn.Linear(4, 4)), "cuda") is None

@@ -109,13 +109,16 @@ def test_accelerate_data_straggler(tmp_path: Path, capsys: pytest.CaptureFixture
     assert 2 * DELAY - 8 * MS < extra < 2 * DELAY + 12 * MS, f"each micro-batch's fetch is data wait: {extra}"
 
 
-def test_fsdp2_compute_straggler(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """No DDP all-reduce: FSDP2's all-gathers and reduce-scatters are the exposed communication."""
-    run, df = run_job(tmp_path, "fsdp2", "--slow-rank", "1", "--cause", "compute", "--accumulate", "2")
+@pytest.mark.parametrize("framework", ["fsdp2", "fsdp1"])
+def test_fsdp_compute_straggler(tmp_path: Path, capsys: pytest.CaptureFixture[str], framework: str) -> None:
+    """No DDP all-reduce: FSDP's all-gathers and reduce-scatters are the exposed communication, FSDP2's
+    (``fully_shard``) and FSDP1's (``FullyShardedDataParallel``, accumulating under ``no_sync()``) alike."""
+    run, df = run_job(tmp_path, framework, "--slow-rank", "1", "--cause", "compute", "--accumulate", "2")
     only_straggler(report(run, capsys), 1, "compute")
     assert (df["allreduce_wait_s"] == 0).all() and (df["collective_wait_s"] > 0).all()
+    assert (df["micro_batches"] == 2).all()
     peers = df[(df["step"] >= 12) & (df["rank"] == 0)]
-    assert peers["collective_wait_s"].median() > 2 * DELAY - 10 * MS, "the peer waits in FSDP2's collectives"
+    assert peers["collective_wait_s"].median() > 2 * DELAY - 10 * MS, "the peer waits in FSDP's collectives"
     extra = excess(df, 1, ["forward_s", "backward_s"])
     assert 2 * DELAY - 8 * MS < extra < 2 * DELAY + 12 * MS, f"the delay counted once per micro-batch: {extra}"
 

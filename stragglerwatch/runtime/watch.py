@@ -42,7 +42,7 @@ from stragglerwatch.record.steplog import log_path
 from stragglerwatch.runtime.actions.hangabort import HangAbort, exit_now, restart_caveat
 from stragglerwatch.runtime.actions.stragglerpolicy import StragglerPolicy
 from stragglerwatch.runtime.capture.collectives import CollectiveLog
-from stragglerwatch.runtime.capture.coverage import UnavailableNotes, coverage_notes, unseen_communication
+from stragglerwatch.runtime.capture.coverage import UnavailableNotes, coverage_notes, refusal, unseen_communication
 from stragglerwatch.runtime.capture.datamark import DataMark, mark_fetch
 from stragglerwatch.runtime.capture.devices import CaptureGate, CudaMarks, compute_device, device_progress
 from stragglerwatch.runtime.capture.models import LateStageRole, ModelInfo, inspect_model, pipeline_role, pipeline_stage
@@ -440,7 +440,8 @@ def attach(
     as keyword arguments (which win), e.g. ``optimizer``, ``watchdog_timeout_s``,
     ``prometheus_port``, ``role``, ``bucket_timings``, ``comm_hook``, ``flush_interval_s``;
     some also come from ``STRAGGLERWATCH_*`` environment variables. ``enabled=False`` or
-    ``STRAGGLERWATCH_DISABLE=1`` returns an inert :class:`Watch`.
+    ``STRAGGLERWATCH_DISABLE=1`` returns an inert :class:`Watch`; so does a model it does not
+    support (DeepSpeed's engine), after one line in the ``stragglerwatch`` logger.
 
     Raises :class:`~stragglerwatch.runtime.config.ConfigError` or
     :class:`~stragglerwatch.runtime.identity.AttachError` (one line each) for a mistake in the call;
@@ -455,6 +456,10 @@ def attach(
     except Exception as exc:
         problems.report("attach", f"cannot watch this model ({type(exc).__name__}: {exc}); training goes on unwatched")
         return Watch()
+    refused = refusal(model, parts.target)
+    if refused is not None:  # before the run dir: a refused model leaves nothing behind
+        problems.report("attach", refused)
+        return Watch(problems=problems)
     if parts.ddp is not None and (cfg.bucket_timings or cfg.comm_hook is not None):
         _check_comm_hook_free(parts.ddp)
     if cfg.timing == "cuda" and not torch.cuda.is_available():
@@ -517,7 +522,7 @@ def _metadata(watch: Watch, parts: ModelInfo, cfg: Config, device: torch.device,
                 "code_sample_hz": CODE_HZ if cfg.code_sample_hz is None else cfg.code_sample_hz}  # fmt: skip
     role = cfg.role if cfg.role is not None else pipeline_role(pipeline_stage(*parts.modules()), parts.mesh)
     rank_meta: dict[str, Any] = {"device": str(device), "timing": "cuda" if on_gpu else "host", "role": role}
-    unseen = unseen_communication(parts.target or model)
+    unseen = unseen_communication(parts.target or model, device.type)
     coverage = coverage_notes(parts.target or model, parts.compiled, info.world_size)
     if coverage:
         rank_meta["coverage"] = coverage

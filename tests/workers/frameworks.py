@@ -3,7 +3,8 @@ README says. Run under torchrun (2 CPU ranks, gloo).
 
 ``--framework``: ``lightning`` (Trainer, ``strategy="ddp"``, validation, ``self.log(sync_dist=True)``),
 ``hf`` (transformers Trainer with evaluation and logging), ``accelerate`` (``accelerator.prepare``,
-``accelerator.accumulate``), ``fsdp2`` (``fully_shard`` per block and on the root), ``compile``
+``accelerator.accumulate``), ``fsdp2`` (``fully_shard`` per block and on the root), ``fsdp1``
+(``FullyShardedDataParallel`` units the same way, ``no_sync()`` to accumulate), ``compile``
 (``torch.compile(DDP(model))``), ``tp`` (FSDP2 on the ``dp`` dimension of a dp x tp mesh, the MLP's first
 layer column-wise and its second row-wise; ``--compile-tp`` compiles it), ``pipeline`` (a GPipe or 1F1B schedule
 of two stages on the ``pp`` dimension of a dp x pp mesh, a DDP-style gradient all-reduce on ``dp`` or FSDP2 per
@@ -16,6 +17,7 @@ Injection from step ``--from-step`` on ``--slow-rank``: ``compute`` sleeps in fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -244,6 +246,26 @@ def run_fsdp2(args: argparse.Namespace, injection: Injection) -> None:
             optimizer.zero_grad()
 
 
+def run_fsdp1(args: argparse.Namespace, injection: Injection) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    net = Net(injection)
+    # an FSDP unit per Sequential (the input layer, each block) and one at the root; no_sync() to accumulate
+    model = FSDP(net, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
+    stragglerwatch.attach(model, args.run_dir, watchdog_timeout_s=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(Points(batches_needed(args)), batch_size=args.batch, collate_fn=Collate(injection))
+    for i, batch in enumerate(loader):
+        syncing = (i + 1) % args.accumulate == 0
+        with contextlib.nullcontext() if syncing else model.no_sync():
+            nn.functional.mse_loss(model(batch["x"]), batch["labels"]).backward()
+        if syncing:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
 def run_compile(args: argparse.Namespace, injection: Injection) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -356,8 +378,8 @@ def run_pipeline(args: argparse.Namespace, injection: Injection) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--framework", required=True, choices=["lightning", "hf", "accelerate", "fsdp2", "compile", "tp",
-                                                                "pipeline"])
+    p.add_argument("--framework", required=True, choices=["lightning", "hf", "accelerate", "fsdp2", "fsdp1", "compile",
+                                                                "tp", "pipeline"])
     p.add_argument("--run-dir", required=True)
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--batch", type=int, default=16)
@@ -387,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.nproc = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(1)
-    if args.framework in ("fsdp2", "compile", "tp", "pipeline"):  # the others set up the process group themselves
+    if args.framework in ("fsdp2", "fsdp1", "compile", "tp", "pipeline"):  # the others init the process group
         dist.init_process_group("gloo")
     rank = int(os.environ.get("RANK", "0"))
     injection = Injection(args, rank)

@@ -5,6 +5,8 @@ message once, the reason in the run metadata (``busy_unavailable`` in ``rank-NNN
 and "busy time unavailable: <reason>" in every report — never a silent "no straggler".
 Reasons known at attach time come from :func:`unseen_communication`; those found while
 training come from the probe and are written by :class:`UnavailableNotes` on the log thread.
+A wrapper ``attach`` does not support is refused instead (:func:`refusal`): it says one line and
+returns an inert handle, so that no report stands on timings it cannot vouch for.
 It also writes the settings of the first DataLoader the loop wraps (``loader``: ``num_workers``,
 ``pin_memory``, ``persistent_workers``, ``prefetch_factor``), which the report's advice reads.
 """
@@ -20,18 +22,39 @@ from torch.utils.data import DataLoader
 from stragglerwatch.record.rundir import RunInfo, write_rank_meta
 from stragglerwatch.runtime.capture.probes import StepProbe
 
-#: Model classes whose communication stragglerwatch does not see yet (by class name: none is imported).
-UNSEEN_WRAPPERS = {
-    "FullyShardedDataParallel": "FSDP (FullyShardedDataParallel): its all-gathers and reduce-scatters are not timed",
-    "DeepSpeedEngine": "DeepSpeed: its communication is not timed",
+#: Wrappers whose communication is timed on the CPU, where the host waits for every collective, but not on an
+#: accelerator, where they wait for it on streams of their own (by class name: none is imported).
+STREAM_WRAPPERS = {
+    "FullyShardedDataParallel": "FSDP1 (FullyShardedDataParallel) on {device}: its all-gathers and reduce-scatters run "
+    "on FSDP's own streams, and where the compute stream waits for them is not timed (FSDP2, fully_shard, is)",
+}
+
+#: Wrappers ``attach`` refuses, with the one line it says instead of watching (by class name: none is imported).
+REFUSED_WRAPPERS = {
+    "DeepSpeedEngine": "DeepSpeed (DeepSpeedEngine) is not supported: its ZeRO communication is not timed where "
+    "ZeRO overlaps it on streams of its own, so no straggler verdict would be honest; training goes on unwatched. "
+    "To have the job watched, shard with FSDP2 (fully_shard) or use DDP: see the Frameworks page of the docs",
 }
 
 
-def unseen_communication(model: torch.nn.Module) -> str | None:
-    """Why the model's communication cannot be timed, when that is known at attach time."""
-    for cls in type(model).__mro__:
-        if cls.__name__ in UNSEEN_WRAPPERS:
-            return UNSEEN_WRAPPERS[cls.__name__]
+def _named(module: Any, names: dict[str, str]) -> str | None:
+    """What ``names`` says of ``module``'s class or of one of its bases (by name), or None."""
+    return next((names[cls.__name__] for cls in type(module).__mro__ if cls.__name__ in names), None)
+
+
+def refusal(*models: Any) -> str | None:
+    """The one line ``attach`` says instead of watching a model it refuses (any of ``models``: the model
+    given, the one inside its wrappers), or None."""
+    return next((found for m in models if m is not None and (found := _named(m, REFUSED_WRAPPERS))), None)
+
+
+def unseen_communication(model: torch.nn.Module, device_type: str = "cpu") -> str | None:
+    """Why the model's communication cannot be timed on ``device_type``, when that is known at attach time."""
+    if device_type != "cpu":
+        for module in model.modules():  # FSDP1 units may sit below a plain root
+            found = _named(module, STREAM_WRAPPERS)
+            if found is not None:
+                return found.format(device=device_type)
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None and getattr(getattr(dynamo, "config", None), "compiled_autograd", False):
         return "compiled autograd is enabled: the gradient all-reduce wait is not seen"
