@@ -372,8 +372,11 @@ def test_a_rank_remembers_the_host_of_each_attempt(tmp_path: Path) -> None:
         write_rank_meta(RunInfo("r", tmp_path, 3, 3, 8, host, restart=restart), {"device": "cpu"})
     meta = json.loads((tmp_path / "rank-00003.json").read_text())
     assert (meta["host"], meta["restart"], meta["device"]) == ("node05", 1, "cpu")
-    assert where_ran(meta) == {(0, 0): {"host": "node01", "local_rank": 3}, (1, 0): {"host": "node05", "local_rank": 3}}
-    assert where_ran({"host": "old", "restart": 2, "local_rank": 0}) == {(2, 0): {"host": "old", "local_rank": 0}}
+    assert where_ran(meta) == {(0, 0): {"host": "node01", "local_rank": 3, "agent": None, "world_size": 8},
+                               (1, 0): {"host": "node05", "local_rank": 3, "agent": None, "world_size": 8}}
+    # a file of an earlier release: its latest attempt only, without the agent and the world size
+    assert where_ran({"host": "old", "restart": 2, "local_rank": 0}) == {
+        (2, 0): {"host": "old", "local_rank": 0, "agent": None, "world_size": None}}
 
 
 def test_the_host_acted_on_is_the_one_of_the_attempt_of_its_flagged_steps(tmp_path: Path) -> None:
@@ -385,14 +388,24 @@ def test_the_host_acted_on_is_the_one_of_the_attempt_of_its_flagged_steps(tmp_pa
     (v,) = due(later, _RULE)
     assert (v["rank"], v["host"], v["restart"], v["exclude"]) == (5, "sim-node-0001", 1, True)
     assert v["hosts"] == [[1, 0, "sim-node-0001"]]
-    # slow in the first attempt, its flag outlasting the restart by a few steps: neither host is named
-    # (the latest attempt's, which the rank's metadata alone gives, would be the wrong one)
+    # slow in the first attempt only: the ranks moved at the restart, so the rank of attempt 1 is another GPU
+    # and its series is cut there. Its episode is attempt 0's, on attempt 0's host; the flag does not run on
+    # into attempt 1 (where it is healthy), so nothing is due, and no host of the wrong attempt is named
     earlier = view_of_run(write_run(tmp_path / "earlier", SimConfig(steps=420, injections=[
         Injection(5, 0.3, 100, end=400, evidence="sm_clock")], **moved)))  # fmt: skip
-    (v,) = due(earlier, _RULE)
-    assert (v["rank"], v["host"], v["restart"], v["exclude"]) == (5, None, 0, False)
-    assert "ran on 2 hosts (sim-node-0000 in restart 0, sim-node-0001 in restart 1)" in v["not_excluded"]
-    assert episode({**v, "first_step": v["since_step"]}) == (0, 0, 5, 100)
+    (s,) = earlier["stragglers"]
+    assert (s["rank"], s["host"], s["restart"], s["hosts"]) == (5, "sim-node-0000", 0, [[0, 0, "sim-node-0000"]])
+    assert s["first_step"] == 100 and s["last_step"] is not None and 390 <= s["last_step"] < 400
+    assert due(earlier, _RULE) == []
+    # slow in both attempts, on both hosts: one entry per attempt, and the current one names both hosts: the
+    # slowness follows the rank, not a node, so no node is excluded
+    both = view_of_run(write_run(tmp_path / "both", SimConfig(steps=800, injections=[
+        Injection(5, 0.3, 100, evidence="sm_clock")], **moved)))  # fmt: skip
+    assert sorted((x["rank"], x["restart"]) for x in both["stragglers"]) == [(5, 0), (5, 1)]
+    (v,) = due(both, _RULE)
+    assert (v["rank"], v["host"], v["restart"], v["exclude"]) == (5, None, 1, False)
+    assert "ran on 2 hosts" in v["not_excluded"]
+    assert episode({**v, "first_step": v["since_step"]}) == (1, 0, 5, 400)
 
 
 def test_a_restarted_policy_does_not_act_again_on_an_episode(tmp_path: Path) -> None:

@@ -54,6 +54,11 @@ def _run(tmp_path: Path) -> Path:
     restart = pa.array(np.ones(t.num_rows, dtype=np.int32))
     pq.write_table(t.set_column(t.schema.get_field_index("restart"), t.schema.field("restart"), restart),
                    run / "rank-00005.1.parquet")  # fmt: skip
+    # ... an elastic one: the job re-formed with rank 5 alone, another world (every rank's series is cut there)
+    meta = json.loads((run / "rank-00005.json").read_text())
+    meta["attempts"] = [{"restart": 0, "attach": 0, "host": meta["host"], "local_rank": 5, "world_size": 24},
+                        {"restart": 1, "attach": 0, "host": meta["host"], "local_rank": 0, "world_size": 1}]
+    (run / "rank-00005.json").write_text(json.dumps(meta))
     return run
 
 
@@ -71,6 +76,8 @@ def test_ray_gives_the_local_report(tmp_path, cluster, monkeypatch):
     local = _report(analyze_run(run))
     assert [(s["rank"], s["cause"]) for s in local["stragglers"]] == [(17, "compute"), (3, "data")]
     assert len(local["attempts"]) == 2 and local["ranks"][9]["steps"] < local["ranks"][8]["steps"]
+    assert [(a["world"], a["world_size"]) for a in local["attempts"]] == [(0, 24), (1, 1)]
+    assert all(s["attempt"] == 0 for s in local["stragglers"]), "rank 3's flag does not run on where it left"
     on_ray = _report(rayengine.analyze_on_ray(run, address=cluster))
     assert on_ray == local
 

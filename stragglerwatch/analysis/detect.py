@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from stragglerwatch.analysis import imbalance as imb
+from stragglerwatch.analysis.attempts import cut_indices
 from stragglerwatch.analysis.consistency import AT_CLASSIC
 from stragglerwatch.analysis.consistency import flags as consistency_flags
 from stragglerwatch.analysis.cost import cost_in_turn
@@ -50,6 +51,7 @@ from stragglerwatch.analysis.stages import (
     intervals,
     nanmedian,
     other_max,
+    outlasts,
     step_stage,
 )
 from stragglerwatch.analysis.thresholds import DetectConfig
@@ -91,14 +93,20 @@ class Straggler:
                 for a, b, d in spells(self.episodes, gap)]  # fmt: skip
 
 
-def _merge_episodes(found: list[Straggler], steps: np.ndarray) -> list[Straggler]:
-    """One verdict per rank: its flagged stretches are its episodes (in step order). Its cause, excess and
+def _merge_episodes(found: list[Straggler], steps: np.ndarray, cuts: np.ndarray | None = None) -> list[Straggler]:
+    """One verdict per rank and world (``cuts``: the step indices where a new world of the run begins,
+    ``attempts.world_cuts``): its flagged stretches are its episodes (in step order). Its cause, excess and
     where are its costliest episode's; its slowdown their mean over their steps; its costs their sums."""
     out: list[Straggler] = []
     position = {int(s): i for i, s in enumerate(steps)}
+    cut = np.zeros(0, dtype=np.int64) if cuts is None else np.asarray(cuts)
+
+    def world(s: Straggler) -> int:
+        return int(np.searchsorted(cut, position[s.detected_step], side="right"))
+
     for s in sorted(found, key=lambda x: (x.rank, x.first_step)):
         s.episodes = [(s.first_step, s.last_step, s.detected_step)]
-        prev = out[-1] if out and out[-1].rank == s.rank else None
+        prev = out[-1] if out and out[-1].rank == s.rank and world(out[-1]) == world(s) else None
         if prev is None or prev.last_step is None:
             out.append(s)
             continue
@@ -177,6 +185,9 @@ class Verdict:
     # of ``lost_seconds``, what the busiest rank's peer group (e.g. the heavier pipeline stage) took above the
     # job's reference by its healthy level: unequal groups, not jitter (0 with one group)
     groups_lost_seconds: float = 0.0
+    # per step: the job's time, and what it lost to stragglers, jitter and unequal groups (each attempt's cost)
+    step_seconds: np.ndarray | None = None
+    step_lost: np.ndarray | None = None
 
     @property
     def job_slowdown(self) -> float:
@@ -189,6 +200,7 @@ class StepMatrix:
     steps: np.ndarray
     values: dict[str, np.ndarray]  # column -> steps x ranks (NaN where a rank has no row)
     work_unit: str = ""  # what ``values["work"]`` counts ("tokens", "elements", ...)
+    cuts: tuple[int, ...] = ()  # the steps where a new world of the run begins (``attempts.world_cuts``)
 
 
 def _column(frame: pd.DataFrame, col: str) -> np.ndarray:
@@ -250,14 +262,15 @@ def detect(
     never = ~flags.any(axis=0)
     health = healthy_stage(busy, phases, flags, never, g)
     found = []
+    cuts = cut_indices(mat.cuts, mat.steps)
     for j in np.flatnonzero(flags.any(axis=0)):
         col = health.ref_h[:, g.index[j]]
         series = RankSeries(excess[:, j], busy[:, j], [p[:, j] for p in phases], col,
                             other_max(stats.top_v, stats.top_c, g.index[j], j), health.peer_phase)  # fmt: skip
         found += [straggler(int(mat.ranks[j]), mat.steps, series, a, b, cfg, bool(classic[a:b, j].any()), after)
-                  for a, b, after in intervals(flags[:, j])]  # fmt: skip
+                  for a, b, after in intervals(flags[:, j], cuts, busy[:, j], outlasts(cfg))]  # fmt: skip
     slowdown = busy / health.ref_h[:, g.index] if busy.size else np.zeros(busy.shape)
-    result = verdict(mat.ranks, mat.steps, found, stats, health, g, cfg, thresholds, slowdown, flags)
+    result = verdict(mat.ranks, mat.steps, found, stats, health, g, cfg, thresholds, slowdown, flags, cuts)
     result.healthy = never & g.paired()
     if model is not None:
         im = result.imbalance = imb.assess(raw, model, g, flags.any(axis=0), mat.ranks, result.job_seconds,
@@ -309,16 +322,18 @@ def verdict(
     thresholds: dict[str, float],
     slowdown: np.ndarray,
     flags: np.ndarray,
+    cuts: np.ndarray | None = None,
 ) -> Verdict:
     """The job's verdict from the per-step figures of every step and the flagged stretches: those whose
     fixing would save the job at least ``min_cost_share`` of its time while they last (``cost.py``); the
-    flags of the others are cleared (``flags`` is changed in place)."""
+    flags of the others are cleared (``flags`` is changed in place). ``cuts``: the step indices where a new
+    world of the run begins: a rank's stretches in two worlds are two verdicts."""
     found = _costly(found, ranks, steps, stats, health, groups, cfg, flags)
     step_job = np.nan_to_num(stats.step_med)
     waste = np.clip(np.maximum(np.nan_to_num(stats.top1 - health.ref_job), _held(stats, health)), 0.0, step_job)
     job = float(step_job.sum())
     groups_waste = _groups_waste(stats, health, groups, waste)
-    stragglers, minor = _headline(_merge_episodes(found, steps), job, cfg)
+    stragglers, minor = _headline(_merge_episodes(found, steps, cuts), job, cfg)
     stragglers.sort(key=lambda s: -s.lost_seconds)
     with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN steps
@@ -339,6 +354,8 @@ def verdict(
         slowdown=slowdown,
         flags=flags,
         groups_lost_seconds=groups_waste,
+        step_seconds=step_job,
+        step_lost=waste,
     )
 
 

@@ -32,6 +32,7 @@ import pandas as pd
 import pyarrow as pa
 
 from stragglerwatch.analysis import consistency as cons
+from stragglerwatch.analysis.attempts import cut_indices, world_cuts
 from stragglerwatch.analysis.cost import TOP_K
 from stragglerwatch.analysis.detect import StepMatrix, Verdict, detect, straggler, verdict
 from stragglerwatch.analysis.explain import StepTimes
@@ -65,6 +66,7 @@ from stragglerwatch.analysis.stages import (
     intervals,
     nanmedian,
     other_max,
+    outlasts,
     rank_medians,
     step_stage,
 )
@@ -164,6 +166,7 @@ class LiveRun:
         self.files: dict[str, _File] = {}
         self.offsets: dict[int, int] = {}
         self.last: dict[int, int] = {}
+        self.last_own: dict[int, dict[int, int]] = {}  # attempt key -> rank -> its last step there (run numbering)
         self.ranks = np.zeros(0, dtype=np.int64)
         self.steps = np.zeros(0, dtype=np.int64)
         self.data = _Rows()
@@ -295,6 +298,11 @@ class LiveRun:
         shift = np.array([self.offsets[int(k)] for k in np.unique(keys)])
         step = raw + shift[np.searchsorted(np.unique(keys), keys)]
         rank = table["rank"].to_numpy()
+        for k in np.unique(keys):
+            sel = keys == k
+            own = self.last_own.setdefault(int(k), {})
+            for r in np.unique(rank[sel]).tolist():
+                own[r] = max(own.get(r, -1), int(step[sel & (rank == r)].max()))
         new = np.unique(step[~np.isin(step, self.steps)])
         if new.size and self.steps.size and new[0] < self.steps[-1]:
             raise _Restart  # a step inside the known range: its row does not exist
@@ -324,7 +332,10 @@ class LiveRun:
         start = values.pop("start_time")
         if not self.unit and recorded(values):
             self.unit = work_unit(self.run_dir) or ""
-        return StepMatrix(self.ranks, self.steps, values, work_unit=self.unit), start
+        return StepMatrix(self.ranks, self.steps, values, work_unit=self.unit, cuts=self._cuts()), start
+
+    def _cuts(self) -> tuple[int, ...]:
+        return world_cuts(attempt_list(self.offsets, self.last), self.rank_meta)
 
     def _exact(self) -> Analysis:
         mat, start = self._matrix()
@@ -334,7 +345,8 @@ class LiveRun:
 
     def _report(self, mat: StepMatrix, found: Verdict, times: StepTimes) -> Analysis:
         self.previous = (mat, found, times)
-        plan = StepPlan(self.ranks, self.steps, dict(self.offsets), attempt_list(self.offsets, self.last))
+        plan = StepPlan(self.ranks, self.steps, dict(self.offsets), attempt_list(self.offsets, self.last),
+                        {k: dict(v) for k, v in self.last_own.items()})  # fmt: skip
         if self.context is None or time.monotonic() - self.context_at >= self.slow_every_s or self.settling:
             self.context, self.context_at = load_context(self.run_dir), time.monotonic()
         with warnings.catch_warnings():
@@ -409,15 +421,16 @@ class LiveRun:
         stats = _stats(d, n)
         full = HealthyStats(d["ref_h"][:n], d["ref_job"][:n], d["peer_phase"][:n])
         found = []
+        cuts, carry = cut_indices(self._cuts(), self.steps), outlasts(cfg)
         for j in np.flatnonzero(~never):
             series = RankSeries(np.ascontiguousarray(d["e"][:n, j]), np.ascontiguousarray(v["busy_s"][:, j]),
                                 [np.ascontiguousarray(p[:, j]) for p in phases], full.ref_h[:, g.index[j]],
                                 other_max(stats.top_v, stats.top_c, g.index[j], j), full.peer_phase)  # fmt: skip
-            found += [straggler(int(self.ranks[j]), self.steps, series, a, b, cfg, bool(classic[a:b, j].any()),
-                                after) for a, b, after in intervals(flags[:, j])]  # fmt: skip
+            found += [straggler(int(self.ranks[j]), self.steps, series, a, b, cfg, bool(classic[a:b, j].any()), after)
+                      for a, b, after in intervals(flags[:, j], cuts, v["busy_s"][:, j], carry)]  # fmt: skip
         slowdown = v["busy_s"] / full.ref_h[:, g.index]
         result = verdict(self.ranks, self.steps, found, stats, full, g, cfg, cons.thresholds(self.sc, cfg),  # type: ignore[arg-type]
-                         slowdown, flags)  # fmt: skip
+                         slowdown, flags, cuts)  # fmt: skip
         result.healthy = never & g.paired()
         self.figures = self._figures(mat, result)
         return self._report(mat, result, (self.steps, d["start"][:n], d["end"][:n]))

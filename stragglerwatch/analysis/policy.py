@@ -368,6 +368,13 @@ def view(report: Mapping[str, Any], rank_meta: Mapping[int, Mapping[str, Any]],
         entry["by_design"] = by_design(s, starts.get(end_at) if end_at else None, report.get("ranks") or [],
                                        local, meta.get("role"), hosts)  # fmt: skip
         out.append(entry)
+    for entry in out:  # a rank slow in several worlds of an elastic run (one entry each) ran on all their hosts
+        others = [h for e in out if e is not entry and e["rank"] == entry["rank"] for h in e["hosts"]]
+        if others:
+            merged = [*entry["hosts"], *others]
+            entry["hosts"] = [h for i, h in enumerate(merged) if h not in merged[:i]]
+            named = {h for _, _, h in entry["hosts"]}
+            entry["host"] = next(iter(named)) if len(named) == 1 else None
     return {"run_id": report.get("run_id"), "world_size": report.get("world_size"),
             "ranks_seen": report.get("ranks_seen"), "last_step": last, "window": window,
             "busy_unavailable": bool(report.get("busy_unavailable")), "attempts": attempts,

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from stragglerwatch.analysis import consistency, runmatrix
+from stragglerwatch.analysis.attempts import cut_indices, world_cuts
 from stragglerwatch.analysis.detect import StepMatrix, Straggler, straggler, verdict
 from stragglerwatch.analysis.jittertax import host_deviations
 from stragglerwatch.analysis.report import RANK_COLUMNS, Analysis, RankFigures, analyze_run, finish, host_names
@@ -49,6 +50,7 @@ from stragglerwatch.analysis.stages import (
     last_rows,
     nanmedian,
     other_max,
+    outlasts,
     rank_medians,
     step_stage,
 )
@@ -118,11 +120,12 @@ def _round2(state: consistency.BlockState, sc: consistency.Scalars, cfg: DetectC
     return consistency.round2(state, sc, cfg)
 
 
-def _round3(state: consistency.BlockState, sc: consistency.Scalars, cfg: DetectConfig, lo: int) -> list:
+def _round3(state: consistency.BlockState, sc: consistency.Scalars, cfg: DetectConfig, lo: int,
+            cuts: np.ndarray) -> list:  # fmt: skip
     levels = consistency.round3(state, sc, cfg)
     flags, classic = levels > 0, (levels & consistency.AT_CLASSIC) > 0
     return [(lo + j, a, b, bool(classic[a:b, j].any()), after) for j in np.flatnonzero(flags.any(axis=0))
-            for a, b, after in intervals(flags[:, j])]  # fmt: skip
+            for a, b, after in intervals(flags[:, j], cuts, state.e[:, j], outlasts(cfg))]  # fmt: skip
 
 
 def _flag_rows(found: list[tuple[int, int, int | None, bool, int]], rows: slice, n_ranks: int) -> np.ndarray:
@@ -237,7 +240,9 @@ def analyze_on_ray(
           for b in range(len(blocks))]  # fmt: skip
     sc = consistency.combine1(ray.get([r[0] for r in r1]), cfg)
     sc = consistency.combine2(ray.get([remote["_round2"].remote(r[1], sc, cfg) for r in r1]), sc, cfg)
-    found_blocks = ray.get([remote["_round3"].remote(r[1], sc, cfg, b.start) for r, b in zip(r1, blocks, strict=True)])
+    cuts = cut_indices(world_cuts(plan.attempts, rank_meta), steps)
+    found_blocks = ray.get([remote["_round3"].remote(r[1], sc, cfg, b.start, cuts)
+                            for r, b in zip(r1, blocks, strict=True)])  # fmt: skip
     found = [f for fb in found_blocks for f in fb]
     never = np.ones(len(ranks), dtype=bool)
     never[[col for col, *_ in found]] = False
@@ -261,7 +266,7 @@ def analyze_on_ray(
     thresholds = consistency.thresholds(sc, cfg)
     empty = np.zeros((0, 0))
     result = verdict(ranks, steps, [s for _, d, _ in described for s in d], stats, health, groups, cfg,
-                     thresholds, empty, empty.astype(bool))  # fmt: skip
+                     thresholds, empty, empty.astype(bool), cuts)  # fmt: skip
     result.healthy = never
     if described:
         result.jitter_hosts = np.fmax.reduce([h for _, _, h in described])

@@ -27,6 +27,8 @@ import pandas as pd
 from stragglerwatch.analysis import runmatrix
 from stragglerwatch.analysis.advice import advise
 from stragglerwatch.analysis.arrivals import above_group, arrivals, summary, unseen_wait, victims, without_unseen
+from stragglerwatch.analysis.attempts import attempt_of, world_cuts
+from stragglerwatch.analysis.attempts import describe as describe_attempts
 from stragglerwatch.analysis.codeprofile import locate, needed_ranks
 from stragglerwatch.analysis.detect import MATRIX_COLUMNS, StepMatrix, Verdict, detect, matrix_from_columns
 from stragglerwatch.analysis.explain import StepTimes, explain, prepare, span, span_values
@@ -55,7 +57,7 @@ from stragglerwatch.record.codelog import load_code
 from stragglerwatch.record.collectives import CollectiveReader, Collectives, load_collectives
 from stragglerwatch.record.context import load_context
 from stragglerwatch.record.events import read_events
-from stragglerwatch.record.rundir import read_rank_meta, read_run_meta
+from stragglerwatch.record.rundir import read_rank_meta, read_run_meta, where_ran
 from stragglerwatch.record.schema import PHASE_COLUMNS
 from stragglerwatch.record.steplog import run_files, work_unit, world_size
 
@@ -282,10 +284,11 @@ def analyze_run(
     plan = runmatrix.plan(scans)
     values = runmatrix.fill(files, plan, plan.ranks, tick)
     start = values.pop("start_time")
-    mat = StepMatrix(plan.ranks, plan.steps, values, work_unit=work_unit(path) or "")
+    rank_meta = read_rank_meta(path)
+    mat = StepMatrix(plan.ranks, plan.steps, values, work_unit=work_unit(path) or "",
+                     cuts=world_cuts(plan.attempts, rank_meta))  # fmt: skip
     times = step_times(mat.steps, start, mat.values["step_s"])
     del start
-    rank_meta = read_rank_meta(path)
     roles = {r: m["role"] for r, m in rank_meta.items() if m.get("role") is not None}
     verdict = detect(mat, config, groups=roles or None)
     return finish(path, RankFigures.of(mat, verdict), verdict, rank_meta, times, last_steps(mat), plan,
@@ -325,10 +328,37 @@ def finish(
     report.actions = actions_from_events(events)
     _native_dumps(path, report.hangs)
     report.events = Events(len(events), bad)
-    report.attempts = [Attempt(**a) for a in plan.attempts]
+    report.attempts = attempts_of(plan, rank_meta, events, verdict, report)
     analysis.typed, analysis.report = report, report.to_dict()
     analysis.context = context if len(context) else None
     return analysis
+
+
+def attempts_of(plan: runmatrix.StepPlan, rank_meta: dict[int, dict], events: list[dict[str, Any]], verdict: Verdict,
+                report: Report) -> list[Attempt]:  # fmt: skip
+    """The run's attempts, described (``attempts.describe``). With several, each straggler is named with the
+    attempt it was flagged in and that attempt's host, and lost GPU-seconds count each attempt's own ranks: a
+    job that went on with fewer GPUs lost fewer GPU-seconds per second."""
+    last_own = {runmatrix.split_key(k): v for k, v in plan.last_own.items()}
+    found = describe_attempts(plan.attempts, rank_meta, events, last_own, verdict.step_seconds, verdict.step_lost,
+                              verdict.steps)  # fmt: skip
+    if len(found) > 1:
+        ran = {int(r): where_ran(dict(m)) for r, m in rank_meta.items()}
+        for s in report.stragglers:
+            i = attempt_of(int(s.episodes[0][2]) if s.episodes else s.detected_step, found)  # type: ignore[arg-type]
+            if i is None:
+                continue
+            a, s.attempt = found[i], i
+            s.host = (ran.get(s.rank, {}).get((a["restart"], a["attach"])) or {}).get("host", s.host)
+            if s.lost_seconds is not None and a.get("world_size"):
+                s.lost_gpu_seconds = _num(s.lost_seconds * a["world_size"], 3)
+        costs = [a.get("lost_gpu_seconds") for a in found]
+        if report.lost_seconds is not None and all(c is not None for c in costs):
+            rest = max(0.0, report.lost_seconds - sum(a["lost_seconds"] for a in found))  # unequal work, job-wide
+            job = sum(a["job_seconds"] for a in found)
+            world = sum(a["job_seconds"] * a["world_size"] for a in found) / job if job else report.world_size or 0
+            report.lost_gpu_seconds = _num(sum(costs) + rest * world, 3)  # type: ignore[arg-type]
+    return [Attempt(**a) for a in found]
 
 
 def arrival_check(found: Collectives | None, verdict: Verdict, times: StepTimes, rank_meta: dict[int, dict],

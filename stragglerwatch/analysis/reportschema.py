@@ -61,6 +61,7 @@ class StragglerEntry:
     saves_seconds: float | None = None
     saves_share: float | None = None
     episode_spans: list[list[float] | None] = field(default_factory=list)  # per episode: Unix seconds, as time_span
+    attempt: int | None = None  # with several attempts: the index in ``attempts`` of the one it was flagged in
 
 
 @dataclass
@@ -139,10 +140,26 @@ class GroupEntry:
 
 @dataclass
 class Attempt:
+    """One attempt of the run (``analysis/attempts.py``): a restart of the job, or an attach again; the
+    optional keys are None where the files do not say (an earlier release's, or a crash before attach)."""
+
     restart: int
     attach: int
     first_step: int
     last_step: int
+    world: int | None = None  # 0 for the first; one more where the ranks or their nodes changed
+    world_size: int | None = None
+    ranks: int | None = None  # that recorded steps in it
+    nodes: int | None = None
+    joined: list[int] | None = None  # ranks, since the attempt before
+    left: list[int] | None = None
+    nodes_joined: list[str] | None = None
+    nodes_left: list[str] | None = None
+    moved: list[int] | None = None  # ranks on another node than in the attempt before
+    ended: str | None = None  # why it ended, from the ranks' events and where each stopped recording
+    job_seconds: float | None = None
+    lost_seconds: float | None = None  # to stragglers, jitter and unequal groups, over its own steps
+    lost_gpu_seconds: float | None = None  # its lost seconds times its own world size
 
 
 @dataclass

@@ -18,7 +18,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ class StepPlan:
     steps: np.ndarray  # the run's step numbers (continuing across attempts), sorted
     offsets: dict[int, int]  # attempt key -> what its steps are shifted by
     attempts: list[dict[str, int]]
+    last_own: dict[int, dict[int, int]] = field(default_factory=dict)  # attempt key -> rank -> its last step there
 
 
 def _runs(steps: np.ndarray) -> np.ndarray:
@@ -136,7 +137,18 @@ def plan(scans: Iterable[FileScan | None]) -> StepPlan:
         offset += last[key] + 1
     spans = [runs + offsets[key] for s in found for key, runs in s.runs.items()]
     ranks = np.unique(np.concatenate([s.ranks for s in found])) if found else np.zeros(0, dtype=np.int64)
-    return StepPlan(ranks.astype(np.int64), _expand(spans), offsets, attempt_list(offsets, last))
+    last_own: dict[int, dict[int, int]] = {}
+    for s in found:  # (a file of several ranks: each taken to run as long as the file's last step)
+        for key, runs in s.runs.items():
+            own, end = last_own.setdefault(key, {}), int(runs[-1, 1]) + offsets[key]
+            for r in s.ranks.tolist():
+                own[r] = max(own.get(r, -1), end)
+    return StepPlan(ranks.astype(np.int64), _expand(spans), offsets, attempt_list(offsets, last), last_own)
+
+
+def split_key(key: int) -> tuple[int, int]:
+    """An attempt key's ``(restart, attach)``."""
+    return key // _KEY, key % _KEY
 
 
 def attempt_list(offsets: dict[int, int], last: dict[int, int]) -> list[dict[str, int]]:

@@ -219,14 +219,39 @@ def _or_else(col: np.ndarray, fallback: Callable[[], np.ndarray]) -> np.ndarray:
     return np.where(missing, fallback(), col) if missing.any() else col
 
 
-def intervals(flag: np.ndarray) -> list[tuple[int, int | None, int]]:
+def intervals(flag: np.ndarray, cuts: np.ndarray | None = None, series: np.ndarray | None = None,
+              carry: int = 0) -> list[tuple[int, int | None, int]]:  # fmt: skip
     """(index where a flag rose, index where it cleared or None, index where the one before it cleared or 0:
-    the earliest its onset may lie) for one rank."""
+    the earliest its onset may lie) for one rank. ``cuts``: indices where a new world of the run begins
+    (``attempts.world_cuts``): a flagged stretch is split there, and no onset lies before its world's start.
+    Of a stretch that ran on across a cut, the piece in the new world stands only where it lasts longer than
+    ``carry`` steps (the most a flag outlasts its cause, :func:`outlasts`): a shorter one is the old world's
+    flag clearing. A piece where the rank's ``series`` has no value (it left the job) is no stretch."""
     edges = np.diff(np.concatenate(([0], flag.astype(np.int8), [0])))
     rises = np.flatnonzero(edges == 1)
     falls = np.flatnonzero(edges == -1)
     ends = [int(f) if f < len(flag) else None for f in falls]
-    return [(int(r), f, int(ends[k - 1] or 0) if k else 0) for k, (r, f) in enumerate(zip(rises, ends, strict=True))]
+    out = [(int(r), f, int(ends[k - 1] or 0) if k else 0) for k, (r, f) in enumerate(zip(rises, ends, strict=True))]
+    if cuts is None or not len(cuts):
+        return out
+    split = []
+    for a, b, after in out:
+        stop = len(flag) if b is None else b
+        inside = [int(c) for c in cuts if a < c < stop]
+        starts, floor = [a, *inside], max(after, int(cuts[cuts <= a].max()) if (cuts <= a).any() else 0)
+        for k, first in enumerate(starts):
+            last = inside[k] if k < len(inside) else b
+            if k and (len(flag) if last is None else last) - first <= carry:
+                continue
+            if series is None or np.isfinite(series[first : len(flag) if last is None else last]).any():
+                split.append((first, last, floor if k == 0 else first))
+    return split
+
+
+def outlasts(cfg: DetectConfig) -> int:
+    """The most steps a rank's flag can stay up after its excess ended: its level and short windows, and the
+    steps a clearing must hold."""
+    return cfg.level_window + cfg.window + cfg.confirm
 
 
 #: The furthest an onset is looked for before the step a flag rose, in level windows.
@@ -288,8 +313,8 @@ def describe(series: RankSeries, start: int, end: int | None, cfg: DetectConfig,
     if intermittent:  # end are where its mean over a few steps changes
         e, level = _centred_mean(e, BLOCK), mean
     first = change_point(e, max(after, start - _look(e, cfg)), start, level, onset=True)
-    look = cfg.level_window + cfg.window + cfg.confirm
-    last = None if end is None else change_point(e, max(first, end - look), end, level, onset=False)
+    look = outlasts(cfg)
+    last = None if end is None else min(end - 1, change_point(e, max(first, end - look), end, level, onset=False))
     span = slice(first, (last if last is not None else stop) + 1)
     if intermittent:  # its busy time over its peers' in all (its median step is not a slow one)
         ok = np.isfinite(series.busy[span]) & np.isfinite(series.ref_h[span])

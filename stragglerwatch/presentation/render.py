@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from stragglerwatch.analysis.attempts import rank_ranges
 from stragglerwatch.analysis.codeprofile import NO_SAMPLES, describe_site
 from stragglerwatch.presentation.hangrender import action_lines, flight_recorder_lines, hang_verdict_lines
 
@@ -107,8 +108,9 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
         for s in stragglers:
             excess = s["excess_ms"].get(s["cause"], 0.0)
             where = f"{s['where']}, " if s.get("where") else ""
+            at = f" in attempt {s['attempt']}" if s.get("attempt") is not None else ""
             lines.append(
-                f"  rank {s['rank']} is {s['slowdown']:.2f}x as busy as its peers{same} {_steps(s)}; "
+                f"  rank {s['rank']}{at} is {s['slowdown']:.2f}x as busy as its peers{same} {_steps(s)}; "
                 f"cause: {s['cause']} ({where}+{excess:.1f} ms/step); cost {_duration(s['lost_seconds'])} "
                 f"({s['lost_gpu_seconds']:.0f} GPU-s){_saves(s)}"
             )
@@ -130,9 +132,8 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
     lines += arrival_lines(report)
     attempts = report.get("attempts") or []
     if len(attempts) > 1:
-        starts = ", ".join(f"restart {a['restart']}" + (f" (attach {a['attach']})" if a["attach"] else "")
-                           + f" from step {a['first_step']}" for a in attempts[1:])  # fmt: skip
-        lines.append(f"{len(attempts)} attempts, steps numbered on across them: {starts}.")
+        lines.append(f"{len(attempts)} attempts, steps numbered on across them:")
+        lines += [f"  {attempt_text(a, i)}" for i, a in enumerate(attempts)]
     for g in report.get("group_imbalance", []):
         lines.append(f"group imbalance: {g['group']} (ranks {_ranks(g['ranks'])}) is {g['slowdown']:.2f}x as busy")
     if report.get("unpaired"):
@@ -358,6 +359,25 @@ def pytorch_log_lines(report: dict[str, Any], width: int = 80, most: int = 12) -
     return lines
 
 
+def attempt_text(a: dict[str, Any], index: int) -> str:
+    """One attempt of the run in a line: its steps, ranks and nodes, who left or joined, its cost, and why
+    it ended."""
+    head = f"attempt {index} (restart {a['restart']}" + (f", attach {a['attach']}" if a.get("attach") else "") + ")"
+    parts = [f"steps {a['first_step']}-{a['last_step']}"]
+    if a.get("world_size"):
+        parts.append(f"{a['world_size']} ranks" + (f" on {a['nodes']} node(s)" if a.get("nodes") else ""))
+    for key, label in (("left", "left"), ("joined", "joined"), ("moved", "moved to another node")):
+        if a.get(key):
+            parts.append(f"ranks {rank_ranges(a[key])} {label}")
+    for key, label in (("nodes_left", "nodes left"), ("nodes_joined", "nodes joined")):
+        if a.get(key):
+            parts.append(f"{label}: " + ", ".join(a[key]))
+    if a.get("lost_seconds") is not None:
+        gpu = f" ({a['lost_gpu_seconds']:.0f} GPU-s)" if a.get("lost_gpu_seconds") is not None else ""
+        parts.append(f"{_duration(a['job_seconds'])} long, {_duration(a['lost_seconds'])} lost{gpu}")
+    return f"{head}: " + ", ".join(parts) + (f"; ended: {a['ended']}." if a.get("ended") else ".")
+
+
 def _ranks(ranks: list[int]) -> str:
     shown = ", ".join(map(str, ranks[:8]))
     return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
@@ -380,9 +400,12 @@ def render_text(report: dict[str, Any], width: int = 80) -> str:
                + hang_verdict_lines(report) for x in (_wrap(line, width) if line else [line])]  # fmt: skip
     if not report["ranks_seen"] and not report.get("hangs"):  # PyTorch's evidence alone
         return "\n".join(pytorch[1:])
+    sizes = [a.get("world_size") for a in report.get("attempts") or []]
+    resized = len({x for x in sizes if x}) > 1  # an elastic job that went on with another number of ranks
     head = (
-        f"run {report.get('run_id') or '?'}: {report['ranks_seen']} of {report['world_size']} ranks, "
-        f"{report['steps']} steps"
+        f"run {report.get('run_id') or '?'}: {report['ranks_seen']} of {report['world_size']} ranks"
+        + (f" (by attempt: {', '.join(str(x or '?') for x in sizes)})" if resized else "")
+        + f", {report['steps']} steps"
     )
     lines = [head, ""]
     for line in verdict_lines(report):

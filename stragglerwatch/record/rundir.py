@@ -39,6 +39,7 @@ class RunInfo:
     host: str
     restart: int = 0  # torchrun's restart count of this worker group (TORCHELASTIC_RESTART_COUNT)
     attach: int = 0  # how many attach() this process made before this one
+    agent: int | None = None  # the pid of the node's torchrun agent (its workers' parent); None without one
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -53,11 +54,13 @@ MAX_ATTEMPTS = 64
 
 def write_rank_meta(info: RunInfo, rank_meta: dict[str, Any]) -> None:
     """(Re)write this rank's ``rank-NNNNN.json``: identity, pid and ``rank_meta``, and ``attempts``: where the
-    rank ran in each attempt of the run (``restart``, ``attach``, ``host``, ``local_rank``), kept from the file
-    an earlier attempt wrote, since a restarted rank may run on another host."""
+    rank ran in each attempt of the run (``restart``, ``attach``, ``host``, ``local_rank``, ``agent``: the node's
+    torchrun agent, ``world_size``), kept from the file an earlier attempt wrote, since a restarted rank may run
+    on another node, in a job of another size."""
     path = info.run_dir / f"rank-{info.rank:05d}.json"
     own = {k: v for k, v in asdict(info).items() if k != "run_dir"}
-    this = {"restart": info.restart, "attach": info.attach, "host": info.host, "local_rank": info.local_rank}
+    this = {"restart": info.restart, "attach": info.attach, "host": info.host, "local_rank": info.local_rank,
+            "agent": info.agent, "world_size": info.world_size}
     try:
         before = json.loads(path.read_text()).get("attempts") or []
     except (OSError, ValueError, AttributeError):
@@ -68,14 +71,24 @@ def write_rank_meta(info: RunInfo, rank_meta: dict[str, Any]) -> None:
 
 
 def where_ran(meta: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
-    """Where a rank ran, by attempt ``(restart, attach)``: ``{"host", "local_rank"}``, from its
-    ``rank-NNNNN.json`` (one written before ``attempts`` was kept gives its latest attempt only)."""
+    """Where a rank ran, by attempt ``(restart, attach)``: ``{"host", "local_rank", "agent", "world_size"}`` (the
+    last two None where an earlier release wrote the file), from its ``rank-NNNNN.json`` (one written before
+    ``attempts`` was kept gives its latest attempt only)."""
     out: dict[tuple[int, int], dict[str, Any]] = {}
     for a in [*(meta.get("attempts") or []), meta]:
         if isinstance(a, dict) and a.get("host"):
-            key = (int(a.get("restart") or 0), int(a.get("attach") or 0))
-            out.setdefault(key, {"host": str(a["host"]), "local_rank": a.get("local_rank")})
+            key = (_int(a.get("restart")) or 0, _int(a.get("attach")) or 0)
+            out.setdefault(key, {"host": str(a["host"]), "local_rank": _int(a.get("local_rank")),
+                                 "agent": _int(a.get("agent")), "world_size": _int(a.get("world_size"))})
     return out
+
+
+def _int(value: Any) -> int | None:
+    """An integer field of a metadata file, None where it is missing or damaged."""
+    try:
+        return None if value is None or isinstance(value, bool) else int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def read_run_meta(run_dir: Path) -> dict[str, Any] | None:

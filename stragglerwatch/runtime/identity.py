@@ -126,7 +126,8 @@ def discover(run_dir: str | os.PathLike[str] | None = None, run_id: str | None =
             else:
                 run_id = new_run_id()
         path = Path("stragglerwatch-runs") / run_id
-    return RunInfo(run_id, path, rank, local_rank, world, socket.gethostname(), restart, attach)
+    agent = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None  # torchrun's workers are its children
+    return RunInfo(run_id, path, rank, local_rank, world, socket.gethostname(), restart, attach, agent)
 
 
 def write_meta(info: RunInfo, config: dict[str, Any], rank_meta: dict[str, Any]) -> None:
