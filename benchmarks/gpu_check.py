@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_check.py                        # every claim, about 3 to 5 minutes on one H200
     python benchmarks/gpu_check.py --only graph_capture,bounded_close --out /tmp/gpu-check
+    python benchmarks/gpu_check.py --only host_cost_fsdp2 --profile --out /tmp/gpu-check  # where host time goes
 
 The script checks one claim at a time. Each claim runs its own sub-jobs (``torch.multiprocessing``
 spawn, a free port on 127.0.0.1, NCCL at world size 1 or several ranks on the GPUs there are,
@@ -138,6 +139,7 @@ WATCHDOG_S = 2.0  # straggler_and_stall: watchdog_timeout_s of the stall run
 BIG_ELEMS = 256 * 1024 * 1024  # 1 GiB of float32: the loop collective of sync_vs_async (a)
 NO_CUDA_MESSAGE = "gpu_check: no CUDA device; nothing checked"
 DEVICE = "cuda"  # where the sub-jobs' tensors live (the current device of each rank)
+PROFILE_ENV = "GPU_CHECK_PROFILE"  # set by --profile: the host-cost claims profile an instrumented block
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,6 +295,27 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss
+
+
+def profile_block(ctx: Ctx, name: str, block: Callable[[], Any]) -> None:
+    """With ``--profile``: one more run of ``block`` under cProfile, its 40 costliest functions (own time) and
+    the 40 of ours by time inside them written to ``profile-<name>.txt`` in the sub-job's dir (and its path
+    into the log): where an instrumented step's host time goes, when a host-cost claim fails."""
+    if not os.environ.get(PROFILE_ENV):
+        return
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(block)
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats("stragglerwatch", 40)
+    path = ctx.dir / f"profile-{name}.txt"
+    path.write_text(text.getvalue())
+    print(f"profile: {path}", flush=True)
 
 
 def _attach(model: nn.Module, run_dir: str, opt: torch.optim.Optimizer, **kw: Any) -> Any:
@@ -519,6 +542,9 @@ def w_no_sync(ctx: Ctx) -> dict[str, Any]:
                 blocks[kind].append(list(_timed_block(lambda: train_step(ginst, ginst_opt, x), steps)))
                 w.close()
     out["blocks"] = blocks  # [host s/step, GPU s/step] per block
+    w = _attach(ginst, ctx.run_dir("gpu-bound-profile"), ginst_opt)
+    profile_block(ctx, "no_sync_gpu_bound", lambda: [train_step(ginst, ginst_opt, x) for _ in range(4 * steps)])
+    w.close()
     return out
 
 
@@ -791,7 +817,11 @@ def w_fsdp2_host_cost(ctx: Ctx) -> dict[str, Any]:
                 watch = _attach(inst, ctx.run_dir(f"host-cost-{pair}"), inst_opt)
                 block(kind)
                 watch.close()
-    return {"times": times, "steps_per_block": steps}
+    result = {"times": {k: list(v) for k, v in times.items()}, "steps_per_block": steps}
+    watch = _attach(inst, ctx.run_dir("host-cost-profile"), inst_opt)
+    profile_block(ctx, "host_cost_fsdp2", lambda: block("inst"))
+    watch.close()
+    return result
 
 
 def w_gpu_context(ctx: Ctx) -> dict[str, Any]:
@@ -1380,6 +1410,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", metavar="DIR", help="write figures.json and figures.csv here, and keep the run dirs "
                    "and sub-job logs under DIR/runs-*")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="about half the steps per run (rougher medians)")
+    p.add_argument("--profile", action="store_true", help="the host-cost claims also profile an instrumented "
+                   "block (cProfile) and write where its host time goes beside their sub-job's logs")  # fmt: skip
     p.add_argument("--budget", type=float, default=480.0, metavar="S",
                    help="the most seconds the whole check may take (default 480): a claim whose sub-job would "
                         "start later FAILs as not run")  # fmt: skip
@@ -1410,6 +1442,8 @@ def write_figures(out: Path, header: dict[str, Any], rows: list[dict[str, Any]])
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.profile:
+        os.environ[PROFILE_ENV] = "1"  # the spawned sub-jobs inherit it
     if not torch.cuda.is_available():
         print(NO_CUDA_MESSAGE)
         return 0

@@ -289,3 +289,26 @@ def test_a_process_group_wrapped_after_attach_brings_the_call_brackets(one_rank_
     assert not hasattr(dist.all_reduce, "__stragglerwatch_listeners__"), "removed at close"
     df = stragglerwatch.load_run(tmp_path / "run")
     assert (df[df["step"] >= 1]["collective_wait_s"] > 0).all(), "the collective is counted again"
+
+
+def test_a_comm_hooks_own_work_is_communication_not_backward(one_rank_group, tmp_path: Path) -> None:
+    """A DDP comm hook given to attach (``comm_hook=``) that works before its all-reduce (a compression, here
+    30 ms of it): from the bucket ready to the collective issued, the stream runs the hook, and that time is
+    the all-reduce's wait, not backward compute (on a GPU the hook's kernels run on the compute stream)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def compressing(seconds: float, bucket):  # type: ignore[no-untyped-def]
+        time.sleep(seconds)
+        return default_hooks.allreduce_hook(None, bucket)
+
+    model = DDP(nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with stragglerwatch.attach(model, tmp_path / "run", comm_hook=(0.03, compressing), watchdog_timeout_s=0):
+        for _ in range(5):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    df = stragglerwatch.load_run(tmp_path / "run")
+    assert len(df) == 5
+    assert (df["allreduce_wait_s"] >= 0.025).all(), df["allreduce_wait_s"].tolist()
+    assert (df["backward_s"] < 0.02).all(), df["backward_s"].tolist()

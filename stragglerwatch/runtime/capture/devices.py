@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from stragglerwatch.runtime.capture.placement import stream_key
 from stragglerwatch.runtime.capture.taps import Tap
 from stragglerwatch.runtime.capture.timing import CapturedMark
 from stragglerwatch.runtime.log import Problems
@@ -311,13 +312,24 @@ class CudaMarks:
     def __init__(self, gate: CaptureGate):
         self._gate = gate
         self.dropped = 0
+        self._streams: dict[tuple[int, int, int], Any] = {}  # one Stream object per stream marked on
 
     def mark(self) -> Any:
         if self._gate.open and _capturing():
             self.dropped += 1
             return CapturedMark()
         ev = self._gate.event_class()(enable_timing=True)
-        ev.record()
+        key = stream_key()
+        if key is None:
+            ev.record()
+            return ev
+        stream = self._streams.get(key)
+        if stream is None:  # (a loop that makes streams without end: the cache starts over, bounded)
+            if len(self._streams) >= 64:
+                self._streams.clear()
+            stream = self._streams[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1],
+                                                            device_type=key[2])  # fmt: skip
+        ev.record(stream)  # the current stream, as ev.record() would take it, without its Python path
         return ev
 
 

@@ -547,7 +547,7 @@ class StepProbe:
             ready = self._bucket_ready(bucket)
             if ready is None:
                 return launch(bucket).then(unwrap)
-            idx, done = ready
+            idx, done, at = ready
 
             def on_done(fut: torch.futures.Future) -> Any:
                 try:
@@ -556,20 +556,29 @@ class StepProbe:
                     self.faults += 1
                 return unwrap(fut)
 
-            return launch(bucket).then(on_done)
+            fut = launch(bucket)
+            self._bucket_issued(at)  # the hook's own work on the stream, up to its collective: communication
+            return fut.then(on_done)
 
         hook.__qualname__ = f"stragglerwatch({getattr(inner, '__qualname__', 'allreduce')})"
         return hook
 
     @_guarded
-    def _bucket_ready(self, bucket: Any) -> tuple[int, list[tuple[int, Any]]] | None:
-        """Mark a gradient bucket ready; its index and the list its all-reduce end goes to."""
+    def _bucket_ready(self, bucket: Any) -> tuple[int, list[tuple[int, Any]], Any] | None:
+        """Mark a gradient bucket ready; its index, the list its all-reduce end goes to, and the mark."""
         m = self._cur
         if m is None or not self.enabled:
             return None
-        idx = bucket.index()
-        m.ready.append((idx, self._mark()))
-        return idx, m.done
+        idx, at = bucket.index(), self._mark()
+        m.ready.append((idx, at))
+        return idx, m.done, at
+
+    @_guarded
+    def _bucket_issued(self, ready: Any) -> None:
+        """The hook issued its bucket's collective: from ``ready`` to here the stream ran the hook's work."""
+        m = self._cur
+        if m is not None and len(m.hooked) < MAX_MARKS:
+            m.hooked.append((ready, self._mark()))
 
     # -- optimizer and step end -------------------------------------------
     def _ours(self, optimizer: Any) -> bool:

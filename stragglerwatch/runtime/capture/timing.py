@@ -49,8 +49,8 @@ from stragglerwatch.record.schema import GAPS, StepRecord
 from stragglerwatch.runtime.capture.intervals import carve_and_untimed
 
 #: The list-valued marks of a step, in the order :meth:`StepMarks.lengths` reports them.
-_LISTS = ("fwd_start", "fwd_end", "bwd_start", "bwd_end", "ready", "done", "sync", "comm", "evals", "opt", "data",
-          "work", "noted")  # fmt: skip
+_LISTS = ("fwd_start", "fwd_end", "bwd_start", "bwd_end", "ready", "done", "sync", "hooked", "comm", "evals", "opt",
+          "data", "work", "noted")  # fmt: skip
 
 
 class StepMarks:
@@ -71,6 +71,9 @@ class StepMarks:
         self.ready: list[tuple[int, Any]] = []  # (bucket index, grads ready)
         self.done: list[tuple[int, Any]] = []  # (bucket index, all-reduce done); other thread
         self.sync: list[tuple[Any, Any]] = []  # (graph done, all-reduces waited for) per synced pass
+        # (bucket ready, its collective issued) per bucket of a comm hook of ours: the hook's own work on the
+        # stream (a user hook's compression, say), communication that the stream waits for inside backward
+        self.hooked: list[tuple[Any, Any]] = []
         self.comm: list[tuple[Any, Any]] = []  # every other collective waited for: (start, end)
         self.evals: list[list[Any]] = []  # [start, end] of each evaluation pass (end None while open)
         self.opt: list[list[Any]] = []  # [start, end] of each optimizer.step() (end None while open)
@@ -96,7 +99,7 @@ class StepMarks:
         """Every device mark of the step, in no particular order."""
         marks = [self.start, self.end, *self.fwd_start, *self.fwd_end, *self.bwd_start, *self.bwd_end]
         marks += [m for _, m in self.ready] + [m for _, m in self.done]
-        for pairs in (self.sync, self.comm, self.evals, self.opt, self.data):
+        for pairs in (self.sync, self.hooked, self.comm, self.evals, self.opt, self.data):
             marks += [m for pair in pairs for m in pair if m is not None]
         return marks
 
@@ -204,7 +207,7 @@ def anatomy(
     step_s = max(0.0, end - start)
     gap = _data_gaps(m) if m.data_from_gap else []
     layers: list[tuple[str, list[tuple[float, float]]]] = [
-        ("allreduce_wait", list(m.sync)),
+        ("allreduce_wait", [*m.sync, *m.hooked]),
         ("collective_wait", list(m.comm)),
         ("eval", _closed(m.evals)),
         ("data_wait", list(m.data)),
@@ -325,6 +328,7 @@ def resolve_cuda(m: StepMarks, deadline: float | None = None) -> Any:
     r.ready = [(i, sec(e)) for i, e in m.ready]
     r.done = [(i, sec(e)) for i, e in m.done]
     r.sync, r.comm, r.evals, r.opt = pairs(m.sync), pairs(m.comm), pairs(m.evals), pairs(m.opt)
+    r.hooked = pairs(m.hooked)
     r.end = sec(m.end)
     r.data = pairs(m.data)
     r.work = [(_count(n), unit, e) for n, unit, e in m.work]  # their copies have landed (_landed)
