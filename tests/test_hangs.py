@@ -495,3 +495,27 @@ def test_native_stacks_keep_dumping_a_hold_and_say_when(tmp_path: Path) -> None:
     assert all(at is not None and before - 0.5 <= at <= after + 0.5 for at in times), (before, times, after)
     assert times == sorted(times) and all("test_native_stacks_keep_dumping" in d for _, d in dumps)
     assert native.collect() is None, "collected once"
+
+
+def test_two_pauses_are_two_hangs_when_the_first_ones_recovery_is_recorded_late() -> None:
+    """Rank 0 checkpoints (a stall at step 7), runs on, and right after holds the GIL in native code (a stall
+    at step 10): its watchdog could not run in between, so it records the first stall's recovery only after
+    rank 1 noticed the second, finding itself at step 10 by then. It had left step 7 before the job got to step
+    10: two hangs, not one (as seen in a real job of ``tests/workers/pauses.py``)."""
+    def stall(rank, step, at, phase):
+        return {"kind": "stall", "id": f"{rank}-{step}", "rank": rank, "step": step, "phase": phase,
+                "since": at - 2.0, "detected_at": at, "threshold_s": 2.0, "waited_s": 2.0}  # fmt: skip
+
+    def diagnosis(rank, step, at):
+        return {"kind": "diagnosis", "stall_id": f"{rank}-{step}", "rank": rank, "detected_at": at,
+                "evidence": "store", "peers": {"0": {"step": step, "phase": "data_wait"},
+                                               "1": {"step": step, "phase": "collective_wait"}}}  # fmt: skip
+
+    def recovery(rank, step, of, at):
+        return {"kind": "recovery", "stall_id": f"{rank}-{of}", "rank": rank, "step": step, "detected_at": at}
+
+    events = [stall(0, 7, 364.7, "data_wait"), stall(1, 7, 364.7, "collective_wait"), diagnosis(1, 7, 366.7),
+              recovery(1, 7, 7, 372.6), stall(1, 10, 374.8, "collective_wait"), diagnosis(1, 10, 376.8),
+              recovery(0, 10, 7, 379.8), recovery(1, 13, 10, 379.9)]  # fmt: skip
+    hangs = hangs_from_events(events, 2)
+    assert [(h["culprit_ranks"], h["step"]) for h in hangs] == [([0], 7), ([0], 10)], hangs

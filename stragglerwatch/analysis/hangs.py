@@ -177,7 +177,8 @@ def classify(states: dict[int, dict[str, Any] | None], world_size: int) -> dict[
     return verdict
 
 
-def _cluster(events: list[dict[str, Any]], gap_s: float, ended: dict[Any, float]) -> list[list[dict[str, Any]]]:
+def _cluster(events: list[dict[str, Any]], gap_s: float, ended: dict[Any, float],
+             ended_step: dict[Any, int] | None = None) -> list[list[dict[str, Any]]]:  # fmt: skip
     """Stall and diagnosis events in clusters, one hang each. A diagnosis joins the cluster of the stall it
     speaks of. A stall joins the cluster before it when it came within ``gap_s`` of that cluster's last
     event, or when it had begun by then (a rank that held the GIL in native code could not run its watchdog:
@@ -196,7 +197,7 @@ def _cluster(events: list[dict[str, Any]], gap_s: float, ended: dict[Any, float]
         overlapped = ev.get("kind") == "stall" and ev.get("since") is not None and last is not None \
             and ev["since"] <= last  # fmt: skip
         if last is not None and (ev.get("detected_at", 0.0) - last <= gap_s or overlapped) \
-                and not _moved_on_before(clusters[-1], ev, ended):  # fmt: skip
+                and not _moved_on_before(clusters[-1], ev, ended, ended_step):  # fmt: skip
             clusters[-1].append(ev)
         else:
             clusters.append([ev])
@@ -205,16 +206,24 @@ def _cluster(events: list[dict[str, Any]], gap_s: float, ended: dict[Any, float]
     return clusters
 
 
-def _moved_on_before(cluster: list[dict[str, Any]], ev: dict[str, Any], ended: dict[Any, float]) -> bool:
+def _moved_on_before(cluster: list[dict[str, Any]], ev: dict[str, Any], ended: dict[Any, float],
+                     ended_step: dict[Any, int] | None = None) -> bool:  # fmt: skip
     """Whether every stall of ``cluster`` had ended before the stall ``ev`` was noticed, and ``ev`` is
-    a new one: at a later step than all of them, or begun after the last of them ended."""
+    a new one: at a later step than all of them, or begun after the last of them ended. A stall whose
+    recovery was recorded late (its rank held the GIL again right after, so its watchdog could not run)
+    ended in time all the same when that recovery found its rank at ``ev``'s step or later
+    (``ended_step``): the rank had left its stalled step before the job got to ``ev``'s."""
     stalls = [e for e in cluster if e.get("kind") == "stall"]
     if ev.get("kind") != "stall" or not stalls or any(e.get("id") not in ended for e in stalls):
         return False
-    last_end = max(ended[e.get("id")] for e in stalls)
-    if last_end > ev.get("detected_at", 0.0):
+    step = int(ev.get("step", -1))
+    later_step = step > max(int(e.get("step", -1)) for e in stalls)
+    at_step = ended_step or {}
+    in_time = [ended[e.get("id")] <= ev.get("detected_at", 0.0)
+               or (later_step and at_step.get(e.get("id"), -1) >= step) for e in stalls]  # fmt: skip
+    if not all(in_time):
         return False
-    later_step = int(ev.get("step", -1)) > max(int(e.get("step", -1)) for e in stalls)
+    last_end = max(ended[e.get("id")] for e in stalls)
     return later_step or float(ev.get("since") or 0.0) >= last_end
 
 
@@ -227,8 +236,10 @@ def hangs_from_events(
     events = list(events)
     stalls = [e for e in events if e.get("kind") in ("stall", "diagnosis")]
     hangs = []
-    ended = {e.get("stall_id"): e.get("detected_at", 0.0) for e in events if e.get("kind") == "recovery"}
-    for group in _cluster(stalls, max([e.get("threshold_s", 0.0) for e in stalls] + [10.0]), ended):
+    recoveries = [e for e in events if e.get("kind") == "recovery"]
+    ended = {e.get("stall_id"): e.get("detected_at", 0.0) for e in recoveries}
+    ended_step = {e.get("stall_id"): int(e["step"]) for e in recoveries if isinstance(e.get("step"), int)}
+    for group in _cluster(stalls, max([e.get("threshold_s", 0.0) for e in stalls] + [10.0]), ended, ended_step):
         states: dict[int, dict[str, Any] | None] = {}
         for ev in sorted(group, key=lambda e: e.get("detected_at", 0.0)):
             for rank, state in (ev.get("peers") or {}).items():

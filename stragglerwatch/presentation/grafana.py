@@ -111,7 +111,11 @@ def _annotations() -> dict[str, Any]:
     return {
         "list": [
             {"name": "Watchdog stalls", "datasource": DS, "enable": True, "iconColor": "red",
-             "expr": f"changes(stragglerwatch_watchdog_timeouts_total{{{RUN}}}[$__interval]) > 0",
+             # a stall counted since the last sample; or a counter first seen already counting (its series
+             # begins with the stall, or was first scraped after it): no change to see, a stall all the same
+             "expr": f"changes(stragglerwatch_watchdog_timeouts_total{{{RUN}}}[$__interval]) > 0 or "
+                     f"(stragglerwatch_watchdog_timeouts_total{{{RUN}}} > 0 unless "
+                     f"stragglerwatch_watchdog_timeouts_total{{{RUN}}} offset $__interval)",
              "titleFormat": "stall", "textFormat": "rank {{rank}} stalled in {{phase}}", "step": "5s"},
             {"name": "Alerts", "datasource": DS, "enable": True, "iconColor": "orange",
              "expr": f'ALERTS{{{RUN}, alertstate="firing"}}',
