@@ -1,8 +1,9 @@
 """stragglerwatch: find the slow and the stuck ranks of PyTorch DDP training jobs.
 
 Public API: :func:`attach` (returns a :class:`Watch`), :class:`Config` (every setting of
-attach, documented field by field), :func:`load_run`, :func:`load_context` (the ranks' host and
-GPU context samples), :class:`RunDirError`, the errors a
+attach, documented field by field), :func:`analyze` (a run dir's typed report, with ``to_text()``,
+``to_html()`` and ``to_dict()``: what ``stragglerwatch analyze`` prints), :func:`load_run`,
+:func:`load_context` (the ranks' host and GPU context samples), :class:`RunDirError`, the errors a
 mistaken call raises (:class:`ConfigError`, :class:`AttachError`), ``__version__``.
 Everything else is internal. Runtime messages go to the ``stragglerwatch`` logger. Importing the
 package does not import torch; ``attach`` does (extra ``train``: ``pip install "stragglerwatch[train]"``).
@@ -24,6 +25,10 @@ def __getattr__(name: str) -> object:
     """``attach`` and ``Watch`` need torch: imported on first use, so that analysis, the dashboard
     and the command line run where torch is not installed (there, ImportError with one line naming
     the extra that installs it)."""
+    if name == "analyze":  # the analysis modules, on first use
+        from stragglerwatch.api import analyze
+
+        return analyze
     if name in ("attach", "Watch"):
         from stragglerwatch._extras import require
 
@@ -42,6 +47,7 @@ __all__ = [
     "RunDirWarning",
     "Watch",
     "__version__",
+    "analyze",
     "attach",
     "load_context",
     "load_run",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -290,3 +291,35 @@ def test_a_report_without_work_renders_as_before(tmp_path: Path) -> None:
     assert "imbalance" not in text and "work per" not in text and "work/step" not in text
     page = render_html(dataclasses.replace(analysis, report=old))
     assert "Load imbalance" not in page and "/step</th>" not in page and page.count("Plotly.newPlot") == 2
+
+
+def test_python_api_is_the_commands_report_and_settings_are_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``stragglerwatch.analyze`` gives the command's report, typed, with its text and JSON; a setting out of
+    range is one clear line from Python (ConfigError) and from the shell (exit 2)."""
+    import stragglerwatch
+    from stragglerwatch.record.simulate import Injection, SimConfig, write_run
+
+    run = write_run(tmp_path / "run", SimConfig(ranks=8, steps=200, seed=1, injections=[Injection(3, 0.2, 60)]))
+    report = stragglerwatch.analyze(run)
+    assert [(s.rank, s.cause) for s in report.stragglers] == [(3, "compute")]
+    assert cli(["analyze", str(run), "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == report.to_dict()
+    assert cli(["analyze", str(run)]) == 0
+    assert capsys.readouterr().out.strip() == report.to_text().strip()
+    assert "<html>" in report.to_html() and "rank 3" in report.to_text()
+    for bad, needle in ((dict(min_slowdown=6), "min_slowdown=6 is out of range"),
+                        (dict(min_slowdown=-1), "min_slowdown=-1 is out of range"),
+                        (dict(window=0), "window=0 is out of range"),
+                        (dict(window=1.5), "window=1.5 is not an integer"),
+                        (dict(windw=16), "unknown analysis setting(s) windw"),
+                        (dict(address="auto"), "give engine='ray'")):  # fmt: skip
+        with pytest.raises(stragglerwatch.ConfigError, match=re.escape(needle)):
+            stragglerwatch.analyze(run, **bad)
+    for argv, needle in ((["--min-slowdown", "6"], "min_slowdown=6.0 is out of range"),
+                         (["--window", "0"], "window=0 is out of range"),
+                         (["--address", "auto"], "--address is the Ray cluster's")):  # fmt: skip
+        assert cli(["analyze", str(run), *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("stragglerwatch: error:") and needle in err[0], err

@@ -89,6 +89,22 @@ def test_gap_before_forward_is_data_wait_without_wrap(tmp_path: Path) -> None:
     assert df["data_wait_s"].iloc[1:].min() >= 0.013
 
 
+def test_rank_0_says_where_the_run_goes_and_how_to_analyse_it(tmp_path: Path, capsys, caplog) -> None:
+    """One line at attach (stderr, where the logger does not show INFO; the logger where it does)."""
+    model = nn.Linear(4, 2)
+    with stragglerwatch.attach(model, tmp_path / "run", watchdog_timeout_s=0) as watch:
+        pass
+    err = [line for line in capsys.readouterr().err.splitlines() if "recording run" in line]
+    assert err == [f"stragglerwatch: recording run {watch.info.run_id} (rank 0 of 1) to {tmp_path / 'run'}; "
+                   f"analyse it with: stragglerwatch analyze {tmp_path / 'run'}"]
+    with caplog.at_level("INFO", logger="stragglerwatch"), stragglerwatch.attach(model, tmp_path / "run2",
+                                                                                  watchdog_timeout_s=0):
+        pass
+    assert not [line for line in capsys.readouterr().err.splitlines() if "recording run" in line]
+    assert [r.getMessage() for r in caplog.records if "recording run" in r.getMessage()][0].endswith(
+        f"stragglerwatch analyze {tmp_path / 'run2'}")
+
+
 def test_disabled_is_a_no_op(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -219,6 +219,7 @@ def test_control_command_refuses_bad_requests_in_one_line(tmp_path: Path, capsys
     run = tmp_path / "run"
     model, opt, watch = make(tmp_path)
     train(model, opt, 1)
+    capsys.readouterr()  # (rank 0's line at attach, where the run goes)
     for args, says in [
         (["--set", "recording=maybe"], "recording must be 'on' or 'off'"),
         (["--set", "recording"], "--set takes KEY=VALUE"),

@@ -166,6 +166,13 @@ def test_cli_summary_and_errors(make_run, capsys: pytest.CaptureFixture[str], tm
     assert cli_main(["summary", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("stragglerwatch: error:") and len(err.strip().splitlines()) == 1
+    # a run dir of garbage is bad input, as analyze has it: exit 2, its files named
+    for f in [*run.glob("rank-*.arrows"), *run.glob("rank-*.parquet")]:
+        f.write_bytes(b"garbage")
+    assert cli_main(["summary", str(run)]) == 2
+    assert cli_main(["analyze", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("empty run (no step recorded yet)"), err
 
 
 def test_stream_compacted_while_listing_is_read_from_parquet(make_run) -> None:

@@ -24,8 +24,9 @@ ALLOWED: dict[str, set[str]] = {
     "presentation": {"evidence", "analysis", "record"},
     "runtime": {"analysis", "record"},
     "integrations": {"runtime", "analysis", "record"},
-    "cli": {"presentation", "evidence", "analysis", "runtime", "record", "integrations", "<root>"},
-    "<root>": {"record", "runtime"},  # stragglerwatch/__init__.py: the public API
+    "cli": {"presentation", "evidence", "analysis", "runtime", "record", "integrations", "api", "<root>"},
+    "<root>": {"record", "runtime", "api"},  # stragglerwatch/__init__.py: the public API
+    "api": {"presentation", "evidence", "analysis", "record", "runtime"},  # analyze(): the analysis entry point
     "__main__": {"cli"},
 }
 FOUNDATION = {"_version", "_extras", "_compat"}  # import nothing of ours; anything may import them
@@ -43,7 +44,7 @@ RUNTIME_ALLOWED: dict[str, set[str]] = {
     "log": set(),
     "watch": {"capture", "output", "actions", "hangs", "context", "controls", "config", "identity"},
 }
-NO_TORCH = ("record", "analysis", "evidence", "presentation")
+NO_TORCH = ("record", "analysis", "evidence", "presentation", "api")
 
 
 def module_names(root: Path = PACKAGE) -> dict[str, Path]:

@@ -9,6 +9,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from stragglerwatch._version import __version__
 from stragglerwatch.presentation.summary import rank_summary, render_summary
@@ -21,6 +22,9 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):  #
 
 def cmd_summary(args: argparse.Namespace) -> int:
     frame = load_run(args.run_dir)
+    if not len(frame):  # as analyze says it: nothing to summarise is bad input, not a result
+        print(f"stragglerwatch: error: {args.run_dir}: empty run (no step recorded yet)", file=sys.stderr)
+        return 2
     summary = rank_summary(frame)
     world = int(frame["world_size"].iloc[0]) if len(frame) else 0
     if args.format == "json":
@@ -53,83 +57,77 @@ class Progress:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from stragglerwatch.analysis.report import analyze_run, empty_analysis
-    from stragglerwatch.analysis.thresholds import DetectConfig
-    from stragglerwatch.evidence.combine import add_flight_recorder, add_hang_verdict, add_pytorch_logs
-    from stragglerwatch.evidence.torchlogs import parse_files
+    """``stragglerwatch analyze``: the report of :func:`stragglerwatch.api.analyze` (an op-level trace: of
+    ``traces.analyze_trace``) as text, JSON or HTML."""
+    from stragglerwatch.api import ENGINES, AnalysisReport, analyze, detect_config
+    from stragglerwatch.runtime.config import ConfigError
+
+    def error(message: str) -> int:
+        print(f"stragglerwatch: error: {message}", file=sys.stderr)
+        return 2
 
     if args.run_dir is None and not args.logs and args.fr is None:
-        print("stragglerwatch: error: give a RUN_DIR, --logs FILE..., --fr DIR, or several", file=sys.stderr)
-        return 2
-    config = DetectConfig(window=args.window, level_window=args.level_window, min_slowdown=args.min_slowdown,
-                          tolerance=args.tolerance, z=args.z, decision=args.decision,
-                          min_cost_share=args.min_cost_share)  # fmt: skip
-    if args.run_dir is not None and Path(args.run_dir).is_file():  # an op-level trace
-        from stragglerwatch.evidence.traces import TraceError, analyze_trace
-
-        if not args.meta:
-            print(f"stragglerwatch: error: {args.run_dir} is a file: a trace needs --meta META.yaml", file=sys.stderr)
-            return 2
-        try:
-            analysis = analyze_trace(args.run_dir, args.meta)
-        except TraceError as exc:
-            print(f"stragglerwatch: error: {exc}", file=sys.stderr)
-            return 2
-    elif args.run_dir is not None and args.engine == "ray":
-        from stragglerwatch.analysis.rayengine import RayEngineError, analyze_on_ray, stderr_progress
-
-        if args.format == "html":
-            print("stragglerwatch: error: --engine ray gives --format text or json (the HTML report's figures "
-                  "need every step of every rank in one process)", file=sys.stderr)  # fmt: skip
-            return 2
-        try:
-            analysis = analyze_on_ray(args.run_dir, config, address=args.address, progress=stderr_progress)
-        except RayEngineError as exc:
-            print(f"stragglerwatch: error: {exc}", file=sys.stderr)
-            return 2
-    elif args.run_dir is not None:
-        analysis = analyze_run(args.run_dir, config, progress=Progress("reading logs"))
-    else:
-        analysis = empty_analysis()
-    run_dir = args.run_dir is not None and not Path(args.run_dir).is_file()
-    if run_dir and analysis.report["steps"] == 0 and not (args.logs or args.fr) and not analysis.report["hangs"]:
-        print(f"stragglerwatch: error: {args.run_dir}: empty run (no step recorded yet)", file=sys.stderr)
-        return 2
-    if args.logs:
-        try:
-            add_pytorch_logs(analysis.report, parse_files(args.logs))
-        except ValueError as exc:
-            print(f"stragglerwatch: error: {exc}", file=sys.stderr)
-            return 2
+        return error("give a RUN_DIR, --logs FILE..., --fr DIR, or several")
+    if args.address is not None and args.engine != "ray":
+        return error("--address is the Ray cluster's: give it with --engine ray")
+    if args.engine == "ray" and args.format == "html":
+        return error("--engine ray gives --format text or json (the HTML report's figures need every step of "
+                     "every rank in one process)")  # fmt: skip
+    settings = {"window": args.window, "level_window": args.level_window, "min_slowdown": args.min_slowdown,
+                "tolerance": args.tolerance, "z": args.z, "decision": args.decision,
+                "min_cost_share": args.min_cost_share}  # fmt: skip
+    trace = args.run_dir is not None and Path(args.run_dir).is_file()
+    if trace and not args.meta:
+        return error(f"{args.run_dir} is a file: a trace needs --meta META.yaml")
     try:
-        add_flight_recorder(analysis.report, args.fr)
-    except ValueError as exc:
-        print(f"stragglerwatch: error: --fr {exc}", file=sys.stderr)
-        return 2
-    add_hang_verdict(analysis.report)
-    if args.format == "json":
-        text = json.dumps(analysis.report, indent=2)
-    elif args.format == "html":
-        from stragglerwatch.presentation.htmlreport import render_html
+        detect_config(settings)
+        if trace:  # an op-level trace
+            report: AnalysisReport = _trace_report(args)
+        else:
+            report = analyze(args.run_dir, engine=args.engine if args.engine in ENGINES else "local",
+                             address=args.address, logs=args.logs, flight_recorder=args.fr,
+                             progress=Progress("reading logs") if args.engine == "local" else None,
+                             **settings)  # fmt: skip
+    except Exception as exc:  # one line each: a setting, the run dir, a trace, logs, dumps, Ray
+        from stragglerwatch.analysis.rayengine import RayEngineError
+        from stragglerwatch.evidence.traces import TraceError
 
-        text = render_html(analysis)
+        if not isinstance(exc, (ConfigError, RunDirError, TraceError, RayEngineError, ValueError, OSError)):
+            raise
+        return error(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+    if args.format == "json":
+        text = json.dumps(report.to_dict(), indent=2)
+    elif args.format == "html":
+        text = report.to_html()
         if args.out is None:
             base = Path(args.run_dir or ".")
             args.out = str(base.with_suffix(".html") if base.is_file() else base / "report.html")
     else:
-        from stragglerwatch.presentation.render import render_text
-
-        text = render_text(analysis.report)
+        text = report.to_text()
     if args.out:
         try:
             Path(args.out).write_text(text + "\n")
         except OSError as exc:
-            print(f"stragglerwatch: error: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
-            return 2
+            return error(f"cannot write {args.out}: {exc.strerror or exc}")
         print(f"wrote {args.out}", file=sys.stderr)
     else:
         print(text)
     return 0
+
+
+def _trace_report(args: argparse.Namespace) -> Any:
+    """The report of an op-level trace (``--meta``), with PyTorch's logs and dumps when given."""
+    from stragglerwatch.api import as_report
+    from stragglerwatch.evidence.combine import add_flight_recorder, add_hang_verdict, add_pytorch_logs
+    from stragglerwatch.evidence.torchlogs import parse_files
+    from stragglerwatch.evidence.traces import analyze_trace
+
+    analysis = analyze_trace(args.run_dir, args.meta)
+    if args.logs:
+        add_pytorch_logs(analysis.report, parse_files(args.logs))
+    add_flight_recorder(analysis.report, args.fr)
+    add_hang_verdict(analysis.report)
+    return as_report(analysis)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

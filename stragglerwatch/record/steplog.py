@@ -218,7 +218,7 @@ def run_files(run_dir: str | os.PathLike[str]) -> tuple[Path, dict | None, list[
     if meta is None and not files:
         raise RunDirError(f"{path}: not a stragglerwatch run dir (no {RUN_META}, no rank-*.arrows/.parquet)")
     if meta is None:
-        _warn(f"{path / RUN_META}: missing or unreadable; world size taken from the logs")
+        _warn(f"{path / RUN_META}: missing or unreadable; world size taken from the ranks' step logs")
     return path, meta, files
 
 

@@ -9,6 +9,7 @@ time; nothing reads the environment afterwards.
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
@@ -60,7 +61,7 @@ def _env_port(from_env: dict[str, Any], name: str, lowest: int, consequence: str
             raise ValueError
     except ValueError:
         if problems is not None:
-            problems.report("config", f"{ENV[name]}={from_env[name]!r} is not a port: {consequence}")
+            problems.report("config", f"{ENV[name]}={from_env[name]!r} is not a port: {consequence}", key=name)
         del from_env[name]
 
 
@@ -69,7 +70,7 @@ def _env_policies(from_env: dict[str, Any], problems: Problems | None) -> None:
 
     def drop(name: str, consequence: str) -> None:
         if problems is not None:
-            problems.report("config", f"{ENV[name]}={from_env[name]!r} {consequence}")
+            problems.report("config", f"{ENV[name]}={from_env[name]!r} {consequence}", key=name)
         del from_env[name]
 
     if "on_hang" in from_env:
@@ -92,6 +93,34 @@ def _env_policies(from_env: dict[str, Any], problems: Problems | None) -> None:
 
 class ConfigError(ValueError):
     """A setting that cannot be used; the message is one line for the user."""
+
+
+#: The words a boolean setting is read from (any case).
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+#: ``STRAGGLERWATCH_*`` variables that other parts read (the dashboard, the command line, the test suite): not
+#: a typo of a setting's.
+OTHER_ENV = {"STRAGGLERWATCH_DEBUG", "STRAGGLERWATCH_HOST", "STRAGGLERWATCH_PORT", "STRAGGLERWATCH_MAX_RUNS",
+             "STRAGGLERWATCH_POLL_S", "STRAGGLERWATCH_REFRESH_MS", "STRAGGLERWATCH_SOURCE", "STRAGGLERWATCH_THREADS",
+             "STRAGGLERWATCH_WORKERS", "STRAGGLERWATCH_REQUIRE_ALL"}  # fmt: skip
+
+
+def parse_bool(name: str, value: Any) -> bool:
+    """A boolean setting: True or False, 1 or 0, or one of :data:`TRUE_WORDS` / :data:`FALSE_WORDS`;
+    :class:`ConfigError` for anything else ("no" is not True)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in TRUE_WORDS + FALSE_WORDS:
+        return value.strip().lower() in TRUE_WORDS
+    raise ConfigError(f"{name}={value!r} is not a boolean (True or False; or one of "
+                      f"{', '.join(TRUE_WORDS + FALSE_WORDS)})")  # fmt: skip
+
+
+def unknown_env(env: Mapping[str, str]) -> list[str]:
+    """The ``STRAGGLERWATCH_*`` variables of ``env`` that no part of stragglerwatch reads (a typo, most often)."""
+    known = set(ENV.values()) | {DISABLE_ENV} | OTHER_ENV
+    return sorted(k for k in env if k.startswith("STRAGGLERWATCH_") and k not in known)
 
 
 @dataclass(frozen=True)
@@ -273,6 +302,22 @@ class Config:
     enabled: bool = True
     """``False`` (or ``$STRAGGLERWATCH_DISABLE=1``) makes ``attach`` a no-op returning an inert handle."""
 
+    def __post_init__(self) -> None:
+        """Each setting checked where it is given: a boolean given as a word is read strictly, a number must
+        be one, and the values must make sense together (:meth:`check`); :class:`ConfigError` otherwise."""
+        for f in fields(self):
+            kind = str(f.type).replace(" | None", "").strip()
+            value = getattr(self, f.name)
+            if value is None or kind not in ("bool", "int", "float"):
+                continue
+            if kind == "bool":
+                object.__setattr__(self, f.name, parse_bool(f.name, value))
+            elif isinstance(value, bool) or not isinstance(value, numbers.Real) or (
+                    kind == "int" and not isinstance(value, numbers.Integral)):  # fmt: skip
+                what = "an integer" if kind == "int" else "a number"
+                raise ConfigError(f"{f.name}={value!r} is not {what}")
+        self.check()
+
     @classmethod
     def resolve(
         cls,
@@ -298,7 +343,8 @@ class Config:
             if from_env["prometheus_mode"] not in MODES:
                 if problems is not None:
                     problems.report("config", f"{ENV['prometheus_mode']}={from_env['prometheus_mode']!r} is not "
-                                    "'full' or 'lean': the exporter serves the full series")  # fmt: skip
+                                    "'full' or 'lean': the exporter serves the full series",
+                                    key="prometheus_mode")  # fmt: skip
                 del from_env["prometheus_mode"]
         _env_port(from_env, "debug_server_port", 0, "no debug server", problems)
         if "timing" in from_env:
@@ -306,7 +352,7 @@ class Config:
             if from_env["timing"] not in TIMINGS:
                 if problems is not None:
                     problems.report("config", f"{ENV['timing']}={from_env['timing']!r} is not one of "
-                                    f"{', '.join(TIMINGS)}: timing is chosen automatically")  # fmt: skip
+                                    f"{', '.join(TIMINGS)}: timing is chosen automatically", key="timing")  # fmt: skip
                 del from_env["timing"]
         if "code_sample_hz" in from_env:
             try:
@@ -316,9 +362,14 @@ class Config:
             except ValueError:
                 if problems is not None:
                     problems.report("config", f"{ENV['code_sample_hz']}={from_env['code_sample_hz']!r} is not a "
-                                    f"rate from 0 to {MAX_CODE_HZ:g}: the default rate is used")  # fmt: skip
+                                    f"rate from 0 to {MAX_CODE_HZ:g}: the default rate is used",
+                                    key="code_sample_hz")  # fmt: skip
                 del from_env["code_sample_hz"]
         _env_policies(from_env, problems)
+        typos = unknown_env(env)
+        if typos and problems is not None:
+            problems.report("config", f"{', '.join(typos)}: no such setting, ignored (the settings' variables: "
+                            "docs, Instrumenting, Settings)", key="unknown-env")  # fmt: skip
         if env.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
             from_env["enabled"] = False
         known = {f.name for f in fields(cls)}

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import math
 import numbers
 import os
+import sys
 import threading
 import time
 import weakref
@@ -475,12 +477,25 @@ def attach(
         watch.close()
         problems.report("attach", f"cannot watch this model ({type(exc).__name__}: {exc}); training goes on unwatched")
         return Watch()
+    if info.rank == 0:
+        _say_where(info)
     atexit.register(watch._at_exit)  # a strong reference: `attach(model)` as a bare statement records too
     ref = weakref.ref(watch)
     os.register_at_fork(before=functools.partial(_at_fork, ref, "before"),
                         after_in_parent=functools.partial(_at_fork, ref, "parent"),
                         after_in_child=functools.partial(_at_fork, ref, "child"))  # fmt: skip
     return watch
+
+
+def _say_where(info: RunInfo) -> None:
+    """Rank 0's one line at attach: where the run is recorded and how to analyse it. To the ``stragglerwatch``
+    logger where it shows INFO, else to stderr (the logger's default shows warnings only)."""
+    line = (f"stragglerwatch: recording run {info.run_id} (rank 0 of {info.world_size}) to {info.run_dir}; "
+            f"analyse it with: stragglerwatch analyze {info.run_dir}")  # fmt: skip
+    if LOGGER.isEnabledFor(logging.INFO) and LOGGER.hasHandlers():
+        LOGGER.info(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _assemble(watch: Watch, parts: ModelInfo, cfg: Config) -> None:
