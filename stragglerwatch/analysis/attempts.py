@@ -89,7 +89,7 @@ def cut_indices(cuts: Iterable[int], steps: np.ndarray) -> np.ndarray:
     return np.unique(idx[(idx > 0) & (idx < len(steps))])
 
 
-def attempt_of(step: int, attempts: list[dict[str, Any]]) -> int | None:
+def attempt_index(step: int, attempts: list[Mapping[str, Any]]) -> int | None:
     """The index of the attempt that holds ``step`` (the run's numbering)."""
     for i, a in enumerate(attempts):
         if int(a["first_step"]) <= step <= int(a["last_step"]):
@@ -168,16 +168,17 @@ def describe(attempts: list[dict[str, Any]], rank_meta: Mapping[int, Mapping[str
     time and the time lost to stragglers, jitter and unequal groups (``detect.Verdict``)."""
     m = members(attempts, rank_meta)
     w = worlds(attempts, rank_meta)
+    all_names = [_node_names(mm, m) for mm in m]
     out = []
     for i, a in enumerate(attempts):
         own = dict(last_own.get(_key(a), {}))
         here = m[i] or {r: {} for r in own}
-        names = _node_names(m[i], m)
+        names = all_names[i]
         size = _world_size(m[i]) or len(own) or None
         entry: dict[str, Any] = {**a, "world": w[i], "world_size": size, "ranks": len(own),
                                  "nodes": len(set(names.values())) if names else None}  # fmt: skip
         if i:
-            prev, prev_names = m[i - 1], _node_names(m[i - 1], m)
+            prev, prev_names = m[i - 1], all_names[i - 1]
             entry["joined"] = sorted(set(here) - set(prev)) if prev else []
             entry["left"] = sorted(set(prev) - set(here)) if prev and m[i] else []
             if prev and m[i]:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from stragglerwatch.analysis.attempts import attempt_index
 from stragglerwatch.analysis.episodes import spells
 from stragglerwatch.record.rundir import where_ran
 
@@ -216,10 +217,8 @@ def verdict(straggler: Mapping[str, Any], rule: ActRule | None = None) -> dict[s
 
 def attempt_of(step: int, attempts: list[Mapping[str, Any]]) -> tuple[int, int] | None:
     """The attempt ``(restart, attach)`` whose steps (in the run's numbering) hold ``step``."""
-    for a in attempts:
-        if int(a["first_step"]) <= step <= int(a["last_step"]):
-            return int(a["restart"]), int(a["attach"])
-    return None
+    i = attempt_index(step, attempts)
+    return None if i is None else (int(attempts[i]["restart"]), int(attempts[i]["attach"]))
 
 
 def start_profile(busy: Any, duty: Any, ranks: Iterable[int], roles: Mapping[int, Any] | None = None

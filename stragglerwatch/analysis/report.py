@@ -27,7 +27,7 @@ import pandas as pd
 from stragglerwatch.analysis import runmatrix
 from stragglerwatch.analysis.advice import advise
 from stragglerwatch.analysis.arrivals import above_group, arrivals, summary, unseen_wait, victims, without_unseen
-from stragglerwatch.analysis.attempts import attempt_of, world_cuts
+from stragglerwatch.analysis.attempts import attempt_index, world_cuts
 from stragglerwatch.analysis.attempts import describe as describe_attempts
 from stragglerwatch.analysis.codeprofile import locate, needed_ranks
 from stragglerwatch.analysis.detect import MATRIX_COLUMNS, StepMatrix, Verdict, detect, matrix_from_columns
@@ -345,7 +345,7 @@ def attempts_of(plan: runmatrix.StepPlan, rank_meta: dict[int, dict], events: li
     if len(found) > 1:
         ran = {int(r): where_ran(dict(m)) for r, m in rank_meta.items()}
         for s in report.stragglers:
-            i = attempt_of(int(s.episodes[0][2]) if s.episodes else s.detected_step, found)  # type: ignore[arg-type]
+            i = attempt_index(int(s.episodes[0][2]) if s.episodes else s.detected_step, found)  # type: ignore[arg-type]
             if i is None:
                 continue
             a, s.attempt = found[i], i

@@ -154,8 +154,8 @@ def split_key(key: int) -> tuple[int, int]:
 def attempt_list(offsets: dict[int, int], last: dict[int, int]) -> list[dict[str, int]]:
     """The report's attempts: each attempt key's ``restart``, ``attach`` and its first and last step in
     the run's numbering (``offsets``: what its steps are shifted by; ``last``: its last own step)."""
-    return [{"restart": k // _KEY, "attach": k % _KEY, "first_step": offsets[k], "last_step": offsets[k] + last[k]}
-            for k in sorted(offsets)]  # fmt: skip
+    return [dict(zip(("restart", "attach"), split_key(k), strict=True), first_step=offsets[k],
+                 last_step=offsets[k] + last[k]) for k in sorted(offsets)]  # fmt: skip
 
 
 def _expand(spans: list[np.ndarray]) -> np.ndarray:

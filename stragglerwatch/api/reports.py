@@ -54,7 +54,7 @@ class AnalysisReport(Report):
         """``analyze --format html``'s page (its figures need every step, so not for the Ray engine)."""
         from stragglerwatch.presentation.htmlreport import render_html
 
-        if self._analysis is None or not hasattr(self._analysis.matrix, "values") or not self._analysis.matrix.values:
+        if self._analysis is None or not self._analysis.matrix.values:
             raise ValueError("the HTML report needs every step of every rank in this process: analyze with "
                              "engine='local'")  # fmt: skip
         return render_html(dataclasses.replace(self._analysis, report=self.to_dict()))

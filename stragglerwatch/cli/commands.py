@@ -59,7 +59,7 @@ class Progress:
 def cmd_analyze(args: argparse.Namespace) -> int:
     """``stragglerwatch analyze``: the report of :func:`stragglerwatch.api.analyze` (an op-level trace: of
     ``traces.analyze_trace``) as text, JSON or HTML."""
-    from stragglerwatch.api import ENGINES, AnalysisReport, analyze, detect_config
+    from stragglerwatch.api import AnalysisReport, analyze, detect_config
     from stragglerwatch.runtime.config import ConfigError
 
     def error(message: str) -> int:
@@ -84,7 +84,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         if trace:  # an op-level trace
             report: AnalysisReport = _trace_report(args)
         else:
-            report = analyze(args.run_dir, engine=args.engine if args.engine in ENGINES else "local",
+            report = analyze(args.run_dir, engine=args.engine,
                              address=args.address, logs=args.logs, flight_recorder=args.fr,
                              progress=Progress("reading logs") if args.engine == "local" else None,
                              **settings)  # fmt: skip
