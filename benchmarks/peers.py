@@ -3,7 +3,7 @@ the same 4-rank gloo jobs with the same injected stragglers (not a pytest test).
 
 The jobs (``benchmarks/peers_job.py``): a small DDP MLP on CPU, 4 ranks under torchrun,
 ``OMP_NUM_THREADS=1``, three scenarios: ``healthy``, ``data`` (one rank's DataLoader is
-``--slowdown`` s slower a batch from ``--from-step`` on) and ``compute`` (its forward and backward
+``--delay`` s slower a batch from ``--from-step`` on) and ``compute`` (its forward and backward
 are). Each tool gets a run of its own, instrumented as its documentation shows for a plain
 PyTorch loop, and each scenario a plain run without any tool (the overhead's reference):
 
@@ -39,7 +39,7 @@ glibc 2.39, 0.4.1 carries the same straggler code and has a wheel for Python 3.1
     .venv-peers/bin/pip install -r benchmarks/peers-requirements.txt -e '.[train]'
     .venv-peers/bin/python benchmarks/peers.py                      # ~7 minutes on 2 cores
     .venv-peers/bin/python benchmarks/peers.py --repeats 2 --json peers.json   # ~14 minutes
-    .venv-peers/bin/python benchmarks/peers.py --slow-rank 1 --from-step 150 --slowdown 0.03
+    .venv-peers/bin/python benchmarks/peers.py --slow-rank 1 --from-step 150 --delay 0.03
 
 A tool that is not installed gets "not installed" in its rows, never a guess.
 """
@@ -172,7 +172,7 @@ def launch(name: str, scenario: str, repeat: int, args: argparse.Namespace, work
         shutil.rmtree(out)
     out.mkdir(parents=True)
     job_args = ["--tool", tool, "--scenario", scenario, "--slow-rank", str(args.slow_rank),
-                "--from-step", str(args.from_step), "--slowdown", str(args.slowdown), "--steps", str(args.steps),
+                "--from-step", str(args.from_step), "--delay", str(args.delay), "--steps", str(args.steps),
                 "--out", str(out), *extra]  # fmt: skip
     if tool == "traceml":
         cmd = [sys.executable, "-m", "traceml_ai.launcher.cli", "run", str(JOB), "--nproc-per-node", str(RANKS),
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     p.add_argument("--slow-rank", type=int, default=2, help="the injected rank (default 2)")
     p.add_argument("--from-step", type=int, default=100, help="onset, the first slowed step from 0 (default 100)")
-    p.add_argument("--slowdown", type=float, default=0.02, help="extra seconds a step (default 0.02)")
+    p.add_argument("--delay", type=float, default=0.02, help="extra seconds a step (default 0.02)")
     p.add_argument("--steps", type=int, default=300, help="steps per job (default 300)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each (scenario, tool) (default 1)")
     p.add_argument("--nvrx-every", type=int, default=50, help="nvrx: steps between reports (default 50)")
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{command}")
     print(f"{RANKS} gloo ranks on {os.cpu_count()} CPUs ({platform.machine()}, Python {platform.python_version()}), "
-          f"{args.steps} steps, rank {args.slow_rank} slowed by {1e3 * args.slowdown:.0f} ms a step from step "
+          f"{args.steps} steps, rank {args.slow_rank} slowed by {1e3 * args.delay:.0f} ms a step from step "
           f"{args.from_step}; {args.repeats} run(s) of each; {elapsed / 60:.1f} min in all; load average "
           f"{load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")  # fmt: skip
     print("versions: " + ", ".join(f"{d} {version(d)}" for d in DISTS))
@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "command": command, "cpus": os.cpu_count(), "steps": args.steps, "slow_rank": args.slow_rank,
-            "from_step": args.from_step, "slowdown_s": args.slowdown, "repeats": args.repeats,
+            "from_step": args.from_step, "delay_s": args.delay, "repeats": args.repeats,
             "elapsed_s": elapsed, "load_average_start": load_start, "versions": {d: version(d) for d in DISTS},
             "rows": results, "step_overhead": overheads, "unfair": UNFAIR, "not_measured": NOT_MEASURED,
         }, indent=1))  # fmt: skip

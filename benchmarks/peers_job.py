@@ -4,7 +4,7 @@ straggler, instrumented for one tool at a time (not a pytest test).
     python -m torch.distributed.run --standalone --nproc_per_node 4 benchmarks/peers_job.py \
         --tool none --scenario data --slow-rank 2 --from-step 100 --out OUT_DIR
 
-Scenarios (on ``--slow-rank`` from step ``--from-step`` on, ``--slowdown`` seconds a step):
+Scenarios (on ``--slow-rank`` from step ``--from-step`` on, ``--delay`` seconds a step):
 
 - ``healthy``: nothing injected;
 - ``data``: the rank's DataLoader takes longer to deliver each batch (a sleep in its
@@ -64,7 +64,7 @@ class Injection:
     def __init__(self, args: argparse.Namespace, rank: int):
         self.active = args.scenario != "healthy" and args.slow_rank == rank
         self.scenario = args.scenario
-        self.delay = args.slowdown
+        self.delay = args.delay
         self.from_step = args.from_step
         self.step = 0
 
@@ -136,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scenario", choices=("healthy", "data", "compute"), default="healthy")
     p.add_argument("--slow-rank", type=int, default=2, help="the slowed rank (default 2)")
     p.add_argument("--from-step", type=int, default=100, help="first slowed step, from 0 (default 100)")
-    p.add_argument("--slowdown", type=float, default=0.02, help="extra seconds a step (default 0.02)")
+    p.add_argument("--delay", type=float, default=0.02, help="extra seconds a step (default 0.02)")
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     p.add_argument("--hidden", type=int, default=512, help="hidden width of the MLP (default 512)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per step per rank (default 64)")

@@ -122,8 +122,8 @@ def main() -> None:
         t0 = time.perf_counter()
         subprocess.run(
             [sys.executable, "-m", "stragglerwatch.cli", "simulate", str(run), "--ranks", str(args.ranks),
-             "--steps", str(args.steps), "--straggler", "17:0.15:2000:data", "--straggler",
-             f"{args.ranks - 1000}:0.1:6000", "--straggler", f"{args.ranks // 2 - 191}:0.12:3000:compute:8000"],
+             "--steps", str(args.steps), "--straggler", "17:1.15:2000:data", "--straggler",
+             f"{args.ranks - 1000}:1.1:6000", "--straggler", f"{args.ranks // 2 - 191}:1.12:3000:compute:8000"],
             check=True,
         )  # fmt: skip
         print(f"simulated {args.ranks} x {args.steps} in {time.perf_counter() - t0:.1f} s")

@@ -2,7 +2,7 @@
 by stragglerwatch, with an optional injected straggler.
 
     torchrun --nproc_per_node 4 examples/train_ddp.py --steps 60 \
-        --slow-rank 2 --slowdown 0.02 --cause compute --from-step 10
+        --slow-rank 2 --delay 0.02 --cause compute --from-step 10
 
 The job ships in the package (``stragglerwatch/cli/demo_job.py``; installed, ``torchrun --nproc_per_node 4
 -m stragglerwatch.cli.demo_job ...``): this script runs it, and ``--help`` lists its injections.

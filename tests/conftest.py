@@ -256,14 +256,14 @@ def example_run(factory: pytest.TempPathFactory, name: str, *args: str) -> Path:
 @pytest.fixture(scope="session")
 def compute_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 gloo ranks, 60 steps; rank 2 is 20 ms a step slower in forward/backward from step 10."""
-    args = ("--steps", "60", "--slow-rank", "2", "--slowdown", "0.02", "--cause", "compute", "--from-step", "10")
+    args = ("--steps", "60", "--slow-rank", "2", "--delay", "0.02", "--cause", "compute", "--from-step", "10")
     return example_run(tmp_path_factory, "compute", *args)
 
 
 @pytest.fixture(scope="session")
 def data_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 gloo ranks, 60 steps; rank 1's loader is 20 ms a batch slower from step 15."""
-    args = ("--steps", "60", "--slow-rank", "1", "--slowdown", "0.02", "--cause", "data", "--from-step", "15")
+    args = ("--steps", "60", "--slow-rank", "1", "--delay", "0.02", "--cause", "data", "--from-step", "15")
     return example_run(tmp_path_factory, "data", *args)
 
 
@@ -342,7 +342,7 @@ def live_prometheus(tmp_path_factory: pytest.TempPathFactory):
     lean = SyntheticJob("lean-run", 4, ports + 4, sd, lean=True)
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(EXAMPLE),
-         "--steps", "100000", "--slow-rank", "2", "--slowdown", "0.02", "--stall-rank", "2", "--stall-at-step",
+         "--steps", "100000", "--slow-rank", "2", "--delay", "0.02", "--stall-rank", "2", "--stall-at-step",
          "300", "--stall-seconds", "6", "--watchdog-timeout", "2", "--run-dir", str(run)],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "OMP_NUM_THREADS": "1", "STRAGGLERWATCH_PROMETHEUS_PORT": str(port_base),

@@ -52,7 +52,7 @@ def test_real_data_straggler(data_run: Path, capsys: pytest.CaptureFixture[str])
 @pytest.mark.parametrize("cause", ["optimizer", "other"])
 def test_real_host_side_stragglers(cause: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
-    launch(4, EXAMPLE, "--steps", "50", "--slow-rank", "3", "--slowdown", "0.02", "--cause", cause,
+    launch(4, EXAMPLE, "--steps", "50", "--slow-rank", "3", "--delay", "0.02", "--cause", cause,
              "--from-step", "5", "--run-dir", str(run))  # fmt: skip
     report = analyze_json(run, capsys)
     assert [(s["rank"], s["cause"]) for s in report["stragglers"]] == [(3, cause)]
@@ -92,8 +92,8 @@ def test_text_and_html_reports(compute_run: Path, tmp_path: Path, capsys: pytest
 
 def test_simulate_then_analyze(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "sim"
-    args = ["simulate", str(run), "--ranks", "48", "--steps", "300", "--straggler", "7:0.2:100:data",
-            "--straggler", "30:0.12:50:optimizer:200", "--groups", "2"]  # fmt: skip
+    args = ["simulate", str(run), "--ranks", "48", "--steps", "300", "--straggler", "7:1.2:100:data",
+            "--straggler", "30:1.12:50:optimizer:200", "--groups", "2"]  # fmt: skip
     assert cli(args) == 0
     truth = json.loads((run / "run.json").read_text())["simulation"]
     assert len(truth["injections"]) == 2
@@ -113,8 +113,8 @@ def test_one_entry_per_rank_with_its_episodes_and_brief_flags_as_details(
     onset; a rank 8% slower for 90 steps of 2,000 (fixing it saves well under 0.5% of the job) is a brief
     flag in the details, in the JSON and the text."""
     run = tmp_path / "sim"
-    args = ["simulate", str(run), "--ranks", "8", "--steps", "2000", "--straggler", "3:0.08:700:compute:790",
-            "--straggler", "5:0.3:100:data:300", "--straggler", "5:0.3:900:data"]  # fmt: skip
+    args = ["simulate", str(run), "--ranks", "8", "--steps", "2000", "--straggler", "3:1.08:700:compute:790",
+            "--straggler", "5:1.3:100:data:300", "--straggler", "5:1.3:900:data"]  # fmt: skip
     assert cli(args) == 0
     capsys.readouterr()
     report = analyze_json(run, capsys)
@@ -134,14 +134,16 @@ def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     cases = [
         (["analyze", str(tmp_path / "missing")], "not a directory"),
         (["analyze", str(tmp_path)], "not a stragglerwatch run dir"),
-        (["simulate", str(tmp_path / "x"), "--ranks", "4", "--steps", "10", "--straggler", "9:0.1"], "outside"),
-        (["simulate", str(tmp_path / "x"), "--ranks", "4", "--steps", "10", "--straggler", "1:0.1:0:gpu"], "cause"),
+        (["simulate", str(tmp_path / "x"), "--ranks", "4", "--steps", "10", "--straggler", "9:1.1"], "outside"),
+        (["simulate", str(tmp_path / "x"), "--ranks", "4", "--steps", "10", "--straggler", "1:1.1:0:gpu"], "cause"),
+        (["simulate", str(tmp_path / "x"), "--ranks", "4", "--steps", "10", "--straggler", "1:0.2"],
+         "did you mean 1.2"),
         (["simulate", str(tmp_path / "x"), "--ranks", "0", "--steps", "10"], "at least 1"),
     ]
     for argv, needle in cases:
         assert cli(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("stragglerwatch: error:") and needle in err[0], err
+        assert len(err) == 1 and err[0].startswith("stragglerwatch") and "error:" in err[0] and needle in err[0], err
 
 
 def test_empty_and_unreadable_runs(make_run, capsys: pytest.CaptureFixture[str]) -> None:
@@ -309,17 +311,34 @@ def test_python_api_is_the_commands_report_and_settings_are_checked(
     assert cli(["analyze", str(run)]) == 0
     assert capsys.readouterr().out.strip() == report.to_text().strip()
     assert "<html>" in report.to_html() and "rank 3" in report.to_text()
+    # exit status: 0 whatever the report says, 1 for a finding asked for with --fail-on, 2 for bad input
+    assert cli(["analyze", str(run), "--fail-on", "hang", "--fail-on", "imbalance"]) == 0
+    assert cli(["analyze", str(run), "--fail-on", "straggler"]) == 1
+    assert "stragglerwatch: --fail-on: straggler: rank 3 (compute, " in capsys.readouterr().err
+    assert cli(["analyze", str(run), "--fail-on", "any", "--format", "json", "--out", str(tmp_path / "r.json")]) == 1
+    assert "--fail-on: straggler: rank 3" in capsys.readouterr().err
+    assert report.findings(["hang"]) == [] and len(report.findings()) == 1
+    # one vocabulary: a slowdown is a ratio (1.06, "1.06x" or "6%"); a fraction is refused with a hint
+    fixed = stragglerwatch.analyze(run, min_slowdown=1.06).to_dict()
+    assert fixed["thresholds"]["min_slowdown"] == pytest.approx(1.06)
+    assert stragglerwatch.analyze(run, min_slowdown="6%").to_dict() == fixed
+    assert stragglerwatch.analyze(run, min_slowdown="1.06x").to_dict() == fixed
     for bad, needle in ((dict(min_slowdown=6), "min_slowdown=6 is out of range"),
                         (dict(min_slowdown=-1), "min_slowdown=-1 is out of range"),
+                        (dict(min_slowdown=0.06), "did you mean 1.06"),
+                        (dict(min_slowdown="six"), "is not a slowdown"),
+                        (dict(tolerance=0.05), "did you mean 1.05"),
                         (dict(window=0), "window=0 is out of range"),
                         (dict(window=1.5), "window=1.5 is not an integer"),
                         (dict(windw=16), "unknown analysis setting(s) windw"),
                         (dict(address="auto"), "give engine='ray'")):  # fmt: skip
         with pytest.raises(stragglerwatch.ConfigError, match=re.escape(needle)):
             stragglerwatch.analyze(run, **bad)
-    for argv, needle in ((["--min-slowdown", "6"], "min_slowdown=6.0 is out of range"),
+    for argv, needle in ((["--min-slowdown", "6"], "min_slowdown='6' is out of range"),
+                         (["--min-slowdown", "0.06"], "did you mean 1.06"),
                          (["--window", "0"], "window=0 is out of range"),
-                         (["--address", "auto"], "--address is the Ray cluster's")):  # fmt: skip
+                         (["--address", "auto"], "--address does nothing without --engine ray"),
+                         (["--meta", "m.yaml"], "--meta does nothing without an op-level trace file")):  # fmt: skip
         assert cli(["analyze", str(run), *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("stragglerwatch: error:") and needle in err[0], err
+        assert len(err) == 1 and err[0].startswith("stragglerwatch") and "error:" in err[0] and needle in err[0], err

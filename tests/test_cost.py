@@ -31,7 +31,7 @@ SMALL = [Injection(17, 0.05, 500), Injection(140, 0.03, 900)]
 
 def test_small_lasting_stragglers_on_a_quiet_cluster_are_flagged_soon_with_what_fixing_them_saves() -> None:
     v = detect(to_frame(quiet(injections=SMALL)))
-    assert v.thresholds["min_slowdown"] < 0.03 <= v.thresholds["fixed_min_slowdown"] - 0.03
+    assert v.thresholds["min_slowdown"] < 1.03 <= v.thresholds["fixed_min_slowdown"] - 0.03
     by_rank = {s.rank: s for s in v.stragglers}
     assert sorted(by_rank) == [17, 140], v.stragglers
     for inj in SMALL:
@@ -55,7 +55,7 @@ def test_healthy_quiet_noise_gives_no_flag(kind: dict) -> None:
     for seed in range(2):
         v = detect(to_frame(quiet(ranks=64, steps=2000, seed=seed, **kind)))
         assert v.stragglers == [], (kind, seed, v.stragglers)
-        assert v.thresholds["min_slowdown"] < 0.06  # the floor is the noise's: the test is not vacuous
+        assert v.thresholds["min_slowdown"] < 1.06  # the floor is the noise's: the test is not vacuous
 
 
 def test_cost_in_turn_names_the_next_rank_and_not_a_host_slow_together() -> None:

@@ -81,7 +81,7 @@ def test_live_run_banner_names_the_straggler(browser, tmp_path: Path) -> None:
     server = serve(run)
     job = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(EXAMPLE),
-         "--steps", "400", "--slow-rank", "2", "--slowdown", "0.02", "--from-step", "20", "--run-dir", str(run)],
+         "--steps", "400", "--slow-rank", "2", "--delay", "0.02", "--from-step", "20", "--run-dir", str(run)],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
@@ -251,7 +251,7 @@ def test_render_shows_work_only_where_recorded(tmp_path: Path) -> None:
     assert [t.name for t in out["imbalance"].data][0] == "healthy ranks' steps"
     assert out["imbalance"].data[-1].name.startswith("healthy slope:")
     names = [c["name"] for c in out["columns"]]
-    assert names[-4:] == ["tokens/step", "busy µs/token", "vs peers", "flagged"]
+    assert names[-4:] == ["tokens/step", "busy µs/token", "busy vs peers", "flagged"]
     assert all(r["work"] > 0 and r["busy_per_work_us"] > 0 for r in out["rows"])
     children, style = banner(snap, "sim")
     assert style == CAUTION_STYLE, "load imbalance is no rank at fault, and no healthy run either"

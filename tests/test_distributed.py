@@ -61,7 +61,7 @@ def test_compute_straggler_is_busy_not_slow(compute_straggler: pd.DataFrame) -> 
 def test_bucket_timings_recorded(tmp_path: Path) -> None:
     run = tmp_path / "run"
     launch(
-        2, EXAMPLE, "--steps", "30", "--slow-rank", "1", "--slowdown", "0.02", "--bucket-timings", "--run-dir", str(run)
+        2, EXAMPLE, "--steps", "30", "--slow-rank", "1", "--delay", "0.02", "--bucket-timings", "--run-dir", str(run)
     )
     df = stragglerwatch.load_run(run)
     assert_phases_partition_steps(df)
@@ -99,7 +99,7 @@ def test_data_straggler_without_wrapped_loader(tmp_path: Path) -> None:
         "20",
         "--slow-rank",
         "0",
-        "--slowdown",
+        "--delay",
         "0.02",
         "--cause",
         "data",
@@ -151,7 +151,7 @@ def test_sigkill_leaves_a_readable_log_up_to_the_flush_interval(tmp_path: Path) 
         "100000",
         "--slow-rank",
         "1",
-        "--slowdown",
+        "--delay",
         "0.01",
         "--run-dir",
         str(run),

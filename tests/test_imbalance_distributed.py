@@ -43,7 +43,7 @@ def test_variable_lengths_are_imbalance_not_a_straggler(tmp_path: Path) -> None:
 
 
 def test_slow_rank_is_found_inside_the_imbalance(tmp_path: Path) -> None:
-    report, true_cost = _job(tmp_path, "--steps", "70", "--slow-rank", "1", "--slowdown", "0.6")
+    report, true_cost = _job(tmp_path, "--steps", "70", "--slow-rank", "1", "--slowdown", "1.6")
     assert [s["rank"] for s in report["stragglers"]] == [1], report["stragglers"]
     assert report["stragglers"][0]["cause"] == "compute"
     im = report["imbalance"]

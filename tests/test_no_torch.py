@@ -23,7 +23,7 @@ sys.meta_path.insert(0, NoTorch())
 out = sys.argv[1]
 import stragglerwatch
 from stragglerwatch.cli import main
-assert main(["simulate", out + "/run", "--ranks", "8", "--steps", "120", "--straggler", "3:0.3:40"]) == 0
+assert main(["simulate", out + "/run", "--ranks", "8", "--steps", "120", "--straggler", "3:1.3:40"]) == 0
 assert main(["analyze", out + "/run", "--format", "json", "--out", out + "/r.json"]) == 0
 assert main(["analyze", out + "/run", "--format", "html", "--out", out + "/r.html"]) == 0
 assert main(["summary", out + "/run"]) == 0

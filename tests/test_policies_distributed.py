@@ -104,7 +104,7 @@ def test_the_straggler_policy_acts_on_what_a_node_change_fixes_and_never_on_a_he
     env = {"STRAGGLERWATCH_STRAGGLER_AFTER_S": "2", **ABORT, "STRAGGLERWATCH_HANG_ABORT_S": "10"}
     if case == "contend" and (not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2):
         pytest.skip("needs two CPUs to pin to")
-    args = {"sleep": ("--slow-rank", "2", "--slowdown", "0.02"),
+    args = {"sleep": ("--slow-rank", "2", "--delay", "0.02"),
             "contend": ("--slow-rank", "1", "--contend", "--hidden", "512", "--batch", "128"),
             "logging": ("--log-rank0", "0.012", "--stuck", "other")}[case]  # other: no fetch timed  # fmt: skip
     if case == "contend":  # the context reaches the run dir every 10 s: judge once some of it is there

@@ -141,8 +141,8 @@ def test_dataloader_workers_cannot_keep_up(tmp_path: Path, capsys: pytest.Captur
     holding the job back, by data. Such a rank is flagged after 48 steps of it (6 blocks of 8 steps,
     ``intermittent.py``), hence a longer job, and its onset is known to a block: within 8 steps of the
     injection. With the 20 ms of the other shapes, two busy processes on the two cores blurred the
-    pattern past detection (2 runs of 3); at 40 ms it holds (``--slowdown``)."""
-    run, df = run_shape(tmp_path, 2, "workers", "--slow-rank", "1", "--slowdown", "0.04", steps=80)
+    pattern past detection (2 runs of 3); at 40 ms it holds (``--delay``)."""
+    run, df = run_shape(tmp_path, 2, "workers", "--slow-rank", "1", "--delay", "0.04", steps=80)
     slow = df[(df["rank"] == 1) & (df["step"] >= 14)]["data_wait_s"]
     assert slow.mean() - df[df["rank"] == 0]["data_wait_s"].mean() > 12 * MS, "rank 1 waits for its workers"
     s = only_straggler(analyze_json(run, capsys), 1, "data", onset=(2, 18))

@@ -47,3 +47,19 @@ def test_every_bad_environment_setting_is_said_and_typos_are_named(caplog: pytes
     assert any("STRAGGLERWATCH_TIMNG: no such setting" in line for line in lines)
     assert any("STRAGGLERWATCH_PROMETHEUS_PORT='abc' is not a port" in line for line in lines)
     assert any("STRAGGLERWATCH_CODE_SAMPLE_HZ='fast'" in line for line in lines)
+
+
+@pytest.mark.parametrize("value, enabled, said", [("off", True, False), ("0", True, False), ("yes", False, False),
+                                                  ("please", False, True)])  # fmt: skip
+def test_the_disable_variable_is_read_as_every_boolean(value: str, enabled: bool, said: bool,
+                                                       caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    problems = Problems(logging.getLogger("stragglerwatch"))
+    with caplog.at_level(logging.WARNING, logger="stragglerwatch"):
+        cfg = Config.resolve(environ={"STRAGGLERWATCH_DISABLE": value}, problems=problems)
+    assert cfg.enabled is enabled
+    assert any("STRAGGLERWATCH_DISABLE='please' is not a boolean" in r.getMessage() for r in caplog.records) is said
+
+
+@pytest.mark.parametrize("given", [1.15, "1.15", "1.15x", "15%"])
+def test_a_slowdown_setting_is_a_ratio_in_any_of_its_spellings(given: object) -> None:
+    assert Config(straggler_min_slowdown=given).act_rule().min_slowdown == pytest.approx(1.15)

@@ -154,7 +154,7 @@ def test_host_drift_is_shared_by_a_host_and_changes_nothing_else() -> None:
 
 
 def test_injected_truth_of_plain_injections() -> None:
-    cfg = SimConfig(ranks=4, steps=30, injections=[Injection.parse("1:0.2:10::20"), Injection(1, 0.1, 15)])
+    cfg = SimConfig(ranks=4, steps=30, injections=[Injection.parse("1:1.2:10::20"), Injection(1, 0.1, 15)])
     truth = injected(cfg)
     assert np.allclose(truth[10:15, 1], 0.2) and np.allclose(truth[15:20, 1], 0.3) and np.allclose(truth[20:, 1], 0.1)
     assert np.allclose(np.delete(truth, 1, axis=1), 0.0) and np.allclose(truth[:10], 0.0)

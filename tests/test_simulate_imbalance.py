@@ -168,6 +168,12 @@ def test_cli_options_and_the_true_cost(tmp_path: Path, capsys: pytest.CaptureFix
     assert cli(["simulate", str(tmp_path / "x"), "--ranks", "4", "--steps", "10", "--tokens", "100",
                 "--token-mode", "static", "--heavy-rank", "4"]) == 2  # fmt: skip
     assert "heavy rank 4 outside" in capsys.readouterr().err
+    # an option that would do nothing is refused, not ignored
+    assert cli(["simulate", str(tmp_path / "y"), "--ranks", "4", "--steps", "10", "--tokens", "100",
+                "--heavy-rank", "2"]) == 2  # fmt: skip
+    assert capsys.readouterr().err.strip() == ("stragglerwatch simulate: error: --heavy-rank does nothing without "
+                                               "--token-mode static")  # fmt: skip
+    assert not (tmp_path / "y").exists()
 
 
 # Detection on simulated runs: the targets of the imbalance rows of benchmarks/accuracy.py.

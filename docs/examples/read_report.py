@@ -12,7 +12,7 @@ import stragglerwatch
 
 cli = [sys.executable, "-m", "stragglerwatch"]  # the same as the stragglerwatch command
 subprocess.run([*cli, "simulate", "sim-run", "--ranks", "16", "--steps", "400",
-                "--straggler", "5:0.2:150:data"], check=True)  # rank 5, 20% busier from step 150
+                "--straggler", "5:1.2:150:data"], check=True)  # rank 5, 20% busier from step 150
 
 steps = stragglerwatch.load_run("sim-run")       # one row per rank and step: a pandas DataFrame
 print(steps.groupby("rank")["busy_s"].median().round(4).to_string())

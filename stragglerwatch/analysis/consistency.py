@@ -432,12 +432,14 @@ def _level_glr(c: Carry, e: np.ndarray, lev: np.ndarray, base: np.ndarray, sc: S
 
 
 def thresholds(sc: Scalars, cfg: DetectConfig) -> dict[str, float]:
+    """What the run's noise gave; the floors as slowdown ratios (1.06: 6 % busier than the peers), as every
+    setting and report says a slowdown."""
     _, _, hs = alarm_levels(sc, cfg)
     bar = block_bar(sc.block_noise, sc.floors, cfg)
     return {"noise": sc.noise, "skew": sc.skew, "cusum_h": hs[0], "level_bar": sc.bar,
-            "block_bar": bar if np.isfinite(bar) else None, "min_slowdown": sc.floors.slowdown,
-            "tolerance": sc.floors.tolerance, "min_step_fraction": sc.floors.step_fraction,
-            "fixed_min_slowdown": sc.classic.slowdown, "min_cost_share": cfg.min_cost_share}  # fmt: skip
+            "block_bar": bar if np.isfinite(bar) else None, "min_slowdown": 1.0 + sc.floors.slowdown,
+            "tolerance": 1.0 + sc.floors.tolerance, "min_step_fraction": sc.floors.step_fraction,
+            "fixed_min_slowdown": 1.0 + sc.classic.slowdown, "min_cost_share": cfg.min_cost_share}  # fmt: skip
 
 
 def flags(e: np.ndarray, costly: np.ndarray, cfg: DetectConfig) -> tuple[np.ndarray, dict[str, float]]:

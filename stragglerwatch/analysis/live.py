@@ -441,16 +441,16 @@ class LiveRun:
         old = self.figures
         if old is None or len(old.ranks) != len(self.ranks):
             return RankFigures.of(mat, result)
-        names = [*RANK_COLUMNS, "slowdown"]
+        names = [*RANK_COLUMNS, "busy_vs_peers"]
         name = names[self.turn % len(names)]
         self.turn += 1
         medians = dict(old.medians)
-        slowdown = old.slowdown
-        if name == "slowdown":
-            slowdown = nanmedian(result.slowdown, axis=0)
+        vs_peers = old.busy_vs_peers
+        if name == "busy_vs_peers":
+            vs_peers = nanmedian(result.slowdown, axis=0)
         else:
             medians[name] = rank_medians(mat.values, (name,))[name]
-        return RankFigures(self.ranks, medians, slowdown, np.sum(~np.isnan(mat.values["busy_s"]), axis=0))
+        return RankFigures(self.ranks, medians, vs_peers, np.sum(~np.isnan(mat.values["busy_s"]), axis=0))
 
     def _scalars(self, state: cons.BlockState) -> cons.Scalars:
         """The job-wide scalars from every step of at most ``SCALAR_RANKS`` ranks spread over the

@@ -1,6 +1,6 @@
 """Assemble the analysis report of a run: load, detect, summarise.
 
-The report's schema (``stragglerwatch-report/1``) is typed in ``reportschema.py``: ``build_report``
+The report's schema (``stragglerwatch-report/2``) is typed in ``reportschema.py``: ``build_report``
 makes a :class:`~stragglerwatch.analysis.reportschema.Report`, and ``Analysis.report`` is its JSON object,
 which the text and HTML renderers, the CLI and the dashboard share. ``busy_unavailable`` not
 empty means no straggler verdict is given: comparing busy times that still hold communication
@@ -86,7 +86,7 @@ class RankFigures:
 
     ranks: np.ndarray
     medians: dict[str, np.ndarray]  # column -> median, ms
-    slowdown: np.ndarray  # median busy time over its group's healthy reference
+    busy_vs_peers: np.ndarray  # median over the steps of busy time over its group's healthy reference
     steps: np.ndarray  # steps recorded
     work: np.ndarray | None = None  # median work per step (None: not recorded)
     busy_per_work: np.ndarray | None = None  # median busy seconds per unit of work
@@ -108,14 +108,15 @@ def work_medians(mat: StepMatrix, column: str = "work") -> tuple[np.ndarray, np.
 
 
 def rank_rows(figures: RankFigures, verdict: Verdict, rank_meta: dict[int, dict]) -> list[RankRow]:
-    """Per-rank medians (ms), slowdown vs peers and flag, in rank order."""
+    """Per-rank medians (ms), busy time vs peers and flag, in rank order."""
     flagged = {s.rank for s in verdict.stragglers}
     rows = []
     for j, rank in enumerate(figures.ranks.tolist()):
         meta = rank_meta.get(rank, {})
         medians = {c.replace("_s", "_ms"): _num(v[j], 3) for c, v in figures.medians.items()}
         rows.append(RankRow(rank=rank, host=meta.get("host"), role=meta.get("role"), steps=int(figures.steps[j]),
-                            **medians, slowdown=_num(figures.slowdown[j], 4), flagged=rank in flagged))  # fmt: skip
+                            **medians, busy_vs_peers=_num(figures.busy_vs_peers[j], 4),
+                            flagged=rank in flagged))  # fmt: skip
         if figures.work is not None and figures.busy_per_work is not None:
             rows[-1].work = _num(figures.work[j], 3)
             rows[-1].busy_per_work_us = _num(figures.busy_per_work[j] * 1e6, 4)
@@ -191,7 +192,7 @@ def build_report(
         report.ideal_seconds = report.job_slowdown = report.lost_seconds = report.lost_gpu_seconds = None
         report.communication_bound = report.comm_fraction = None
         for row in report.ranks:
-            row.slowdown, row.flagged = None, False
+            row.busy_vs_peers, row.flagged = None, False
     return report
 
 

@@ -1,4 +1,4 @@
-"""The analysis report's typed schema (``stragglerwatch-report/1``): what ``analyze --format json``
+"""The analysis report's typed schema (``stragglerwatch-report/2``): what ``analyze --format json``
 prints, the text and HTML renderers and the dashboard read. Field order is the JSON's key order.
 
 ``Report.to_dict()`` is the JSON object (``run_dir``, ``events`` and ``attempts`` are there for a run
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-REPORT_SCHEMA = "stragglerwatch-report/1"
+REPORT_SCHEMA = "stragglerwatch-report/2"
 
 
 @dataclass
@@ -81,7 +81,8 @@ class MinorEntry:
 
 @dataclass
 class RankRow:
-    """One rank's medians (ms) over the run, its slowdown over its peers and whether it was flagged."""
+    """One rank's medians (ms) over the run, its busy time over its peers' (``busy_vs_peers``: the median over
+    its steps; a flagged straggler's ``slowdown`` is over its flagged steps only) and whether it was flagged."""
 
     rank: int
     host: str | None
@@ -98,7 +99,7 @@ class RankRow:
     eval_ms: float | None
     optimizer_ms: float | None
     other_ms: float | None
-    slowdown: float | None
+    busy_vs_peers: float | None  # median over its steps of its busy time over its peer group's healthy reference
     flagged: bool
     work: float | None = None  # median work per step (units of the report's ``imbalance.unit``); None: not recorded
     busy_per_work_us: float | None = None  # median busy microseconds per unit of work

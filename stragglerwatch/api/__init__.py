@@ -3,6 +3,14 @@ examples and user code; ``reports.py`` holds it."""
 
 from __future__ import annotations
 
-from stragglerwatch.api.reports import ENGINES, SETTINGS, AnalysisReport, analyze, as_report, detect_config
+from stragglerwatch.api.reports import (
+    ENGINES,
+    FINDINGS,
+    SETTINGS,
+    AnalysisReport,
+    analyze,
+    as_report,
+    detect_config,
+)
 
-__all__ = ["ENGINES", "SETTINGS", "AnalysisReport", "analyze", "as_report", "detect_config"]
+__all__ = ["ENGINES", "FINDINGS", "SETTINGS", "AnalysisReport", "analyze", "as_report", "detect_config"]

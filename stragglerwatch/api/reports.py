@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from stragglerwatch._units import parse_slowdown
 from stragglerwatch.analysis.report import Analysis, analyze_run, empty_analysis
 from stragglerwatch.analysis.reportschema import Report
 from stragglerwatch.analysis.thresholds import DetectConfig
@@ -29,13 +30,18 @@ SETTINGS: dict[str, tuple[float | None, float | None, str]] = {
     "window": (2, None, "steps of the short median a flag must persist over"),
     "level_window": (2, None, "steps of the level median"),
     "confirm": (1, None, "consecutive steps a test must hold"),
-    "min_slowdown": (0.001, 0.99, "the smallest slowdown flagged, as a fraction (0.06: 6% busier than its peers)"),
-    "tolerance": (0.0, 0.99, "a fraction: a rank this much slower for ever is healthy"),
+    "min_slowdown": (1.0, 1.99, "the smallest slowdown flagged, a ratio to the peers' busy time: 1.06 or '6%' is "
+                     "6% busier"),
+    "tolerance": (1.0, 1.99, "a slowdown ratio: a rank this much slower from the start is healthy"),
     "z": (0.1, None, "the level test's margin, in standard errors"),
     "decision": (0.1, None, "the CUSUM's alarm level, in nats"),
     "min_cost_share": (0.0, 0.99, "the least share of the job's time a flag must cost while it lasts"),
 }
+#: The settings that are slowdowns: given as ratios (``_units``), held by ``DetectConfig`` as fractions.
+RATIOS = ("min_slowdown", "tolerance")
 ENGINES = ("local", "ray")
+#: What ``analyze --fail-on`` (and :meth:`AnalysisReport.findings`) can fail on.
+FINDINGS = ("straggler", "hang", "imbalance")
 
 
 class AnalysisReport(Report):
@@ -59,6 +65,29 @@ class AnalysisReport(Report):
                              "engine='local'")  # fmt: skip
         return render_html(dataclasses.replace(self._analysis, report=self.to_dict()))
 
+    def findings(self, kinds: Iterable[str] = FINDINGS) -> list[str]:
+        """One line per finding of ``kinds`` (of :data:`FINDINGS`): what ``analyze --fail-on`` exits 1 for."""
+        unknown = sorted(set(kinds) - set(FINDINGS))
+        if unknown:
+            raise ConfigError(f"unknown finding kind(s) {', '.join(unknown)}; known: {', '.join(FINDINGS)}")
+        out = []
+        if "straggler" in kinds:
+            out += [f"straggler: rank {s.rank} ({s.cause}, {s.slowdown:.2f}x from step {s.first_step})"
+                    for s in self.stragglers]  # fmt: skip
+        if "hang" in kinds:
+            out += [f"hang: culprit rank(s) {', '.join(map(str, h.get('culprit_ranks') or [])) or 'unknown'} at step "
+                    f"{h.get('step')}" for h in self.hangs]  # fmt: skip
+            verdict = self.hang_verdict
+            if not self.hangs and verdict:  # PyTorch's logs or dumps alone saw it
+                culprits = ", ".join(map(str, verdict.get("culprit_ranks") or [])) or "unknown"
+                out.append(f"hang: culprit rank(s) {culprits} (decided by {verdict.get('decided_by') or '?'})")
+        if "imbalance" in kinds:
+            out += [f"imbalance: group {g.group} {g.slowdown:.2f}x as busy as the others" for g in self.group_imbalance]
+            if self.imbalance is not None and self.imbalance.detected:
+                s = self.imbalance.slowdown
+                out.append(f"imbalance: unequal {self.imbalance.unit or 'work'}" + (f" (S {s:.2f})" if s else ""))
+        return out
+
 
 def detect_config(settings: dict[str, Any]) -> DetectConfig:
     """The detector's settings, each checked: :class:`ConfigError` names the setting, the value and what is
@@ -69,6 +98,12 @@ def detect_config(settings: dict[str, Any]) -> DetectConfig:
         raise ConfigError(f"unknown analysis setting(s) {', '.join(unknown)}; known: {', '.join(SETTINGS)}")
     for name, value in given.items():
         lo, hi, what = SETTINGS[name]
+        if name in RATIOS:
+            try:
+                given[name] = parse_slowdown(name, value, lo, hi, inclusive=name == "tolerance") - 1.0
+            except ValueError as exc:
+                raise ConfigError(f"{exc} ({what})") from None
+            continue
         integer = isinstance(lo, int) and not isinstance(lo, bool)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
             kind = "an integer" if integer else "a number"
@@ -94,7 +129,7 @@ def analyze(
     """Analyse a run dir (and PyTorch's failure logs, ``logs``, and Flight Recorder dumps, a dir or a file:
     ``flight_recorder``): stragglers with cause and cost, hangs, imbalance, attempts. ``engine="ray"``
     runs it on the Ray cluster at ``address`` (None: a local one). ``settings`` are the detector's
-    (:data:`SETTINGS`, e.g. ``min_slowdown=0.06`` for the fixed floor of earlier releases).
+    (:data:`SETTINGS`, e.g. ``min_slowdown=1.06`` (or ``"6%"``) for the fixed floor of earlier releases).
 
     Raises :class:`RunDirError` for a run dir that cannot be read (or holds no step and no hang),
     :class:`ConfigError` for a setting that cannot be used, ``ValueError`` for unreadable logs or dumps;

@@ -5,15 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from stragglerwatch._version import __version__
-from stragglerwatch.presentation.summary import rank_summary, render_summary
-from stragglerwatch.record.steplog import RunDirError, load_run
+from stragglerwatch.presentation.summary import render_summary, summary_dict
+from stragglerwatch.record.steplog import RunDirError
+
+
+def _duration(text: str) -> str:
+    """A Prometheus duration (``15s``, ``1m``, ``500ms``), for an option that goes into its configuration."""
+    if not re.fullmatch(r"([0-9]+(ms|s|m|h|d|w|y))+", text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Prometheus duration (such as 15s, 1m or 500ms)")
+    return text.strip()
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
@@ -21,21 +29,11 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):  #
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
-    frame = load_run(args.run_dir)
-    if not len(frame):  # as analyze says it: nothing to summarise is bad input, not a result
-        print(f"stragglerwatch: error: {args.run_dir}: empty run (no step recorded yet)", file=sys.stderr)
-        return 2
-    summary = rank_summary(frame)
-    world = int(frame["world_size"].iloc[0]) if len(frame) else 0
-    if args.format == "json":
-        out = {
-            "world_size": world,
-            "steps": int(frame["step"].nunique()),
-            "ranks": [{"rank": int(rank), **row} for rank, row in summary.to_dict("index").items()],
-        }
-        print(json.dumps(out, indent=2))
-    else:
-        print(render_summary(summary, world))
+    """``stragglerwatch summary``: the per-rank table of :func:`stragglerwatch.api.analyze`'s report."""
+    from stragglerwatch.api import analyze
+
+    report = analyze(args.run_dir).to_dict()
+    print(json.dumps(summary_dict(report), indent=2) if args.format == "json" else render_summary(report))
     return 0
 
 
@@ -59,7 +57,7 @@ class Progress:
 def cmd_analyze(args: argparse.Namespace) -> int:
     """``stragglerwatch analyze``: the report of :func:`stragglerwatch.api.analyze` (an op-level trace: of
     ``traces.analyze_trace``) as text, JSON or HTML."""
-    from stragglerwatch.api import AnalysisReport, analyze, detect_config
+    from stragglerwatch.api import FINDINGS, AnalysisReport, analyze, detect_config
     from stragglerwatch.runtime.config import ConfigError
 
     def error(message: str) -> int:
@@ -68,8 +66,6 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
     if args.run_dir is None and not args.logs and args.fr is None:
         return error("give a RUN_DIR, --logs FILE..., --fr DIR, or several")
-    if args.address is not None and args.engine != "ray":
-        return error("--address is the Ray cluster's: give it with --engine ray")
     if args.engine == "ray" and args.format == "html":
         return error("--engine ray gives --format text or json (the HTML report's figures need every step of "
                      "every rank in one process)")  # fmt: skip
@@ -112,7 +108,10 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}", file=sys.stderr)
     else:
         print(text)
-    return 0
+    found = report.findings(FINDINGS if "any" in args.fail_on else args.fail_on) if args.fail_on else []
+    for line in found:
+        print(f"stragglerwatch: --fail-on: {line}", file=sys.stderr)
+    return 1 if found else 0
 
 
 def _trace_report(args: argparse.Namespace) -> Any:
@@ -199,7 +198,9 @@ def _add_prometheus_config(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run dir (its run.json names the run)")
     p.add_argument("--sd-dir", help="where the target files are (default $STRAGGLERWATCH_SD_DIR or RUN_DIR)")
     p.add_argument("--all-runs", action="store_true", help="scrape every run's targets in the SD dir")
-    p.add_argument("--scrape-interval", default="15s", help="scrape and rule evaluation interval (default 15s)")
+    p.add_argument("--scrape-interval", default="15s", metavar="DURATION", type=_duration,
+                   help="scrape and rule evaluation interval, a Prometheus duration such as 15s or 1m "
+                   "(default 15s)")  # fmt: skip
     p.add_argument("--rules", action="append", default=[], metavar="FILE",
                    help="rule files to load instead of the installed ones (repeatable)")  # fmt: skip
     p.set_defaults(func=cmd_prometheus_config)
@@ -239,8 +240,8 @@ def _add_dashboard(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prometheus", metavar="URL", help="read a live Prometheus instead (needs --run)")
     p.add_argument("--run", metavar="RUN_ID", help="the run id (the `run` label) to show from Prometheus")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8050, help="port (default 8050)")
-    p.add_argument("--refresh-ms", type=int, default=500, help="browser refresh period (default 500)")
+    p.add_argument("--port", type=int, metavar="PORT", default=8050, help="port (default 8050)")
+    p.add_argument("--refresh-ms", type=int, metavar="MS", default=500, help="browser refresh period, ms (default 500)")
     p.set_defaults(func=run_dashboard)
 
     d = sub.add_parser(
@@ -250,20 +251,24 @@ def _add_dashboard(sub: argparse._SubParsersAction) -> None:
         "open the live dashboard on it, print its URL, and print the analysis when the job ends. The dashboard "
         "then stays up until Ctrl-C (or exit at once with --exit).",
     )
-    d.add_argument("--ranks", type=int, default=4, help="ranks (default 4)")
-    d.add_argument("--steps", type=int, default=600, help="steps (default 600, about half a minute)")
-    d.add_argument("--slow-rank", type=int, default=2, help="the straggler (default 2)")
-    d.add_argument("--slowdown", type=float, default=0.02, help="its extra seconds a step (default 0.02)")
+    d.add_argument("--ranks", type=int, default=4, metavar="N", help="ranks (default 4)")
+    d.add_argument("--steps", type=int, default=600, metavar="N", help="steps (default 600, about half a minute)")
+    d.add_argument("--slow-rank", type=int, metavar="RANK", default=2, help="the straggler (default 2)")
+    d.add_argument("--delay", type=float, default=0.02, metavar="SECONDS",
+                   help="seconds the straggler is slowed by every step (default 0.02)")  # fmt: skip
     d.add_argument("--cause", choices=("compute", "data", "optimizer", "other"), default="compute",
                    help="what is slow (default compute)")  # fmt: skip
-    d.add_argument("--from-step", type=int, default=50, help="onset (default 50)")
+    d.add_argument("--from-step", type=int, metavar="STEP", default=50,
+                   help="the step it starts being slow at (default 50)")  # fmt: skip
     d.add_argument("--hang", action="store_true", help="also make another rank stall 8 s halfway")
     d.add_argument("--run-dir", help="run dir (default stragglerwatch-runs/demo-<time>)")
     d.add_argument("--host", default="127.0.0.1", help="dashboard bind address (default 127.0.0.1)")
-    d.add_argument("--port", type=int, default=8050, help="dashboard port (default 8050)")
+    d.add_argument("--port", type=int, metavar="PORT", default=8050, help="dashboard port (default 8050)")
     d.add_argument("--prometheus", action="store_true", help="also export metrics and run a local Prometheus")
-    d.add_argument("--metrics-port", type=int, default=19400, help="first rank's /metrics port (default 19400)")
-    d.add_argument("--prometheus-port", type=int, default=9090, help="local Prometheus port (default 9090)")
+    d.add_argument("--metrics-port", type=int, metavar="PORT", default=19400,
+                   help="first rank's /metrics port (default 19400)")  # fmt: skip
+    d.add_argument("--prometheus-port", type=int, metavar="PORT", default=9090,
+                   help="local Prometheus port (default 9090)")  # fmt: skip
     d.add_argument("--exit", action="store_true", help="exit after the report instead of serving until Ctrl-C")
     d.set_defaults(func=run_demo)
 
@@ -296,26 +301,32 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
                    "parallel layout; adds the what-if job slowdown and its attribution to workers, stages, op "
                    "types")  # fmt: skip
     p.add_argument("--format", choices=("text", "json", "html"), default="text",
-                   help="text (default): verdict and per-rank table; json: one object (see README); "
+                   help="text (default): verdict and per-rank table; json: one object (its keys: docs/analysis.md); "
                    "html: self-contained report with figures (default file RUN_DIR/report.html)")  # fmt: skip
     p.add_argument("--out", metavar="FILE", help="write the report to FILE instead of stdout")
-    p.add_argument("--window", type=int, default=16,
+    p.add_argument("--fail-on", metavar="KIND", action="append", default=[],
+                   choices=("straggler", "hang", "imbalance", "any"),
+                   help="exit 1 (after the report) when the run has a finding of this kind: straggler, hang, "
+                   "imbalance (unequal work or peer groups) or any; repeatable. Without it the exit status is 0 "
+                   "whatever the report says (2: bad input)")  # fmt: skip
+    p.add_argument("--window", type=int, default=16, metavar="STEPS",
                    help="steps a slowdown must persist over: the short median (default 16)")  # fmt: skip
-    p.add_argument("--level-window", type=int, default=64,
+    p.add_argument("--level-window", type=int, default=64, metavar="STEPS",
                    help="steps of the level median and of each rank's own baseline (default 64)")  # fmt: skip
-    p.add_argument("--min-slowdown", type=float, default=None,
-                   help="smallest change of a rank's busy time that is flagged; default: from the run's noise, "
-                   "3 times its per-step jitter within 2-6%%, flags below 6%% only where they cost the job at "
-                   "least --min-cost-share (0.06: the fixed floor of earlier releases)")  # fmt: skip
-    p.add_argument("--tolerance", type=float, default=None,
-                   help="a rank up to this much slower than its peers from the start is healthy hardware "
-                   "variation, never flagged (default: 5/6 of the smallest change flagged)")  # fmt: skip
-    p.add_argument("--min-cost-share", type=float, default=0.005,
-                   help="below the fixed 6%% floor, a flag must save the job at least this share of its time "
+    p.add_argument("--min-slowdown", default=None, metavar="RATIO",
+                   help="smallest slowdown of a rank's busy time that is flagged, a ratio to its peers (1.06 or "
+                   "6%%: 6%% busier); default: from the run's noise, 3 times its per-step jitter within "
+                   "1.02-1.06, flags below 1.06 only where they cost the job at least --min-cost-share (1.06: "
+                   "the fixed floor of earlier releases)")  # fmt: skip
+    p.add_argument("--tolerance", default=None, metavar="RATIO",
+                   help="a rank up to this slowdown ratio from the start is healthy hardware variation, never "
+                   "flagged (default: 5/6 of the smallest slowdown flagged, e.g. 1.05 for 1.06)")  # fmt: skip
+    p.add_argument("--min-cost-share", type=float, default=0.005, metavar="SHARE",
+                   help="below the fixed floor (1.06), a flag must save the job at least this share of its time "
                    "while it lasts, were its rank as fast as its peers (default 0.005 = 0.5%%)")  # fmt: skip
-    p.add_argument("--z", type=float, default=5.0,
+    p.add_argument("--z", type=float, default=5.0, metavar="SE",
                    help="noise margin of the level test in standard errors (default 5)")  # fmt: skip
-    p.add_argument("--decision", type=float, default=14.0,
+    p.add_argument("--decision", type=float, default=14.0, metavar="NATS",
                    help="evidence the change test needs, in nats of log-likelihood ratio between a change of "
                    "the floor (--min-slowdown) and one of a third of it (default 14); lower finds changes "
                    "sooner, higher flags less")  # fmt: skip
@@ -338,30 +349,41 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         "is modelled (every rank's step = busiest rank + transfer). The ground truth is kept in run.json.",
     )
     p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (created)")
-    p.add_argument("--ranks", type=int, required=True, help="world size")
-    p.add_argument("--steps", type=int, required=True, help="steps per rank")
+    p.add_argument("--ranks", type=int, required=True, metavar="N", help="world size")
+    p.add_argument("--steps", type=int, required=True, metavar="N", help="steps per rank")
     p.add_argument("--straggler", action="append", default=[], metavar="RANK:SLOWDOWN[:ONSET[:CAUSE[:END]]]",
-                   help="inject a straggler, e.g. 7:0.2:500:data (20%% busier from step 500, data loading); "
-                   "causes: compute, data, optimizer, other; repeatable")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--step-ms", type=float, default=100.0, help="base busy time per step (default 100)")
-    p.add_argument("--comm-ms", type=float, default=10.0, help="all-reduce transfer time (default 10)")
-    p.add_argument("--noise", type=float, default=0.03, help="per-step per-rank relative jitter (default 0.03)")
-    p.add_argument("--drift", type=float, default=0.02, help="per-step job-wide relative jitter (default 0.02)")
-    p.add_argument("--spike-prob", type=float, default=0.002, help="chance of a transient spike (default 0.002)")
-    p.add_argument("--spike-mag", type=float, default=1.0, help="spike size x base step (default 1.0)")
-    p.add_argument("--groups", type=int, default=1, help="peer groups, e.g. pipeline stages (default 1)")
+                   help="inject a straggler, e.g. 7:1.2:500:data (SLOWDOWN a ratio to its peers' busy time, 1.2 "
+                   "or 20%%: 20%% busier, from step 500 on, in data loading); causes: compute, data, optimizer, "
+                   "other; END: the first healthy step again; repeatable")  # fmt: skip
+    p.add_argument("--seed", type=int, metavar="SEED", default=0, help="random seed (default 0)")
+    p.add_argument("--step-ms", type=float, metavar="MS", default=100.0,
+                   help="base busy time per step, ms (default 100)")  # fmt: skip
+    p.add_argument("--comm-ms", type=float, metavar="MS", default=10.0,
+                   help="all-reduce transfer time, ms (default 10)")  # fmt: skip
+    p.add_argument("--noise", type=float, metavar="FRACTION", default=0.03,
+                   help="per-step per-rank jitter, a fraction of the busy time (default 0.03 = 3%%)")  # fmt: skip
+    p.add_argument("--drift", type=float, metavar="FRACTION", default=0.02,
+                   help="per-step job-wide jitter, a fraction of the busy time (default 0.02)")  # fmt: skip
+    p.add_argument("--spike-prob", type=float, metavar="P", default=0.002,
+                   help="chance of a transient spike, per rank and step (default 0.002)")  # fmt: skip
+    p.add_argument("--spike-mag", type=float, metavar="TIMES", default=1.0,
+                   help="spike size, times the base step (default 1.0)")  # fmt: skip
+    p.add_argument("--groups", type=int, metavar="K", default=1, help="peer groups, e.g. pipeline stages (default 1)")
     real = p.add_argument_group("noise of real clusters (all off by default)")
-    real.add_argument("--offset", type=float, default=0.0,
+    real.add_argument("--offset", type=float, metavar="FRACTION", default=0.0,
                       help="persistent per-rank offsets, uniform in [-X, +X] (heterogeneous hardware)")  # fmt: skip
-    real.add_argument("--spike-tail", type=float, default=0.0,
+    real.add_argument("--spike-tail", type=float, metavar="SHAPE", default=0.0,
                       help="heavy-tailed spikes: Pareto shape (e.g. 1.5), same mean as --spike-mag")  # fmt: skip
-    real.add_argument("--stall-every", type=int, default=0, help="all ranks stall every N steps (GC, checkpoint)")
-    real.add_argument("--stall-mag", type=float, default=0.5, help="stall size x base step (default 0.5)")
-    real.add_argument("--host-noise", type=float, default=0.0, help="per-step jitter shared by a host's 8 ranks")
-    real.add_argument("--rank-drift", type=float, default=0.0,
+    real.add_argument("--stall-every", type=int, metavar="STEPS", default=0,
+                      help="all ranks stall every N steps (GC, checkpoint)")  # fmt: skip
+    real.add_argument("--stall-mag", type=float, metavar="TIMES", default=0.5,
+                      help="stall size, times the base step (default 0.5)")  # fmt: skip
+    real.add_argument("--host-noise", type=float, metavar="FRACTION", default=0.0,
+                      help="per-step jitter shared by a host's 8 ranks")  # fmt: skip
+    real.add_argument("--rank-drift", type=float, metavar="FRACTION", default=0.0,
                       help="slow mean-reverting per-rank drift: its standard deviation (e.g. 0.02)")  # fmt: skip
-    real.add_argument("--drift-steps", type=int, default=3000, help="... its correlation time in steps (default 3000)")
+    real.add_argument("--drift-steps", type=int, metavar="STEPS", default=3000,
+                      help="... its correlation time in steps (default 3000)")  # fmt: skip
     real.add_argument(
         "--bootstrap",
         metavar="CSV",
@@ -373,21 +395,22 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         "sequences of log-normal lengths every step; the record carries the tokens as its work, and run.json "
         "the true cost of the unequal work",
     )
-    work.add_argument("--tokens", type=float, default=0.0,
+    work.add_argument("--tokens", type=float, metavar="TOKENS", default=0.0,
                       help="mean tokens per rank per step (e.g. 4096); 0: no imbalance, no work recorded")  # fmt: skip
-    work.add_argument("--token-cv", type=float, default=0.25,
+    work.add_argument("--token-cv", type=float, metavar="CV", default=0.25,
                       help="spread of a rank's tokens per step: coefficient of variation (default 0.25)")  # fmt: skip
-    work.add_argument("--token-seqs", type=int, default=8, help="sequences per rank per step (default 8)")
+    work.add_argument("--token-seqs", type=int, metavar="N", default=8, help="sequences per rank per step (default 8)")
     work.add_argument("--token-mode", choices=["variable", "balanced", "static"], default="variable",
                       help="variable: each rank draws its own batch (a different rank heaviest each step); "
                       "balanced: every rank the step's token count (token-based batching); static: as variable, "
                       "with one rank's shard always heavier (default variable)")  # fmt: skip
-    work.add_argument("--heavy-rank", type=int, default=0, help="with --token-mode static: the heavy rank (default 0)")
-    work.add_argument("--heavy-share", type=float, default=0.2,
+    work.add_argument("--heavy-rank", type=int, metavar="RANK", default=0,
+                      help="with --token-mode static: the heavy rank (default 0)")  # fmt: skip
+    work.add_argument("--heavy-share", type=float, metavar="FRACTION", default=0.2,
                       help="with --token-mode static: its sequences this much longer (default 0.2 = 20%%)")  # fmt: skip
-    work.add_argument("--token-share", type=float, default=0.8,
+    work.add_argument("--token-share", type=float, metavar="FRACTION", default=0.8,
                       help="share of forward + backward growing with the tokens at the mean (default 0.8)")  # fmt: skip
-    work.add_argument("--attn-share", type=float, default=0.0,
+    work.add_argument("--attn-share", type=float, metavar="FRACTION", default=0.0,
                       help="of that, the part quadratic in the sequence lengths, as attention (default 0)")  # fmt: skip
     p.add_argument("--force", action="store_true", help="overwrite an existing run in OUT_DIR")
     p.set_defaults(func=cmd_simulate)
@@ -409,10 +432,12 @@ def _add_control(sub: argparse._SubParsersAction) -> None:
         help="change a running job's recording, watchdog threshold or flush interval, or show who did",
         description="Change settings of the ranks of a running job without a restart, through the run dir "
         "(works with every torch; with a torch that has the debug server, attach(debug_server_port=P) also "
-        "gives a page to do it). With --set, append a request to RUN_DIR/control.json: each rank looks at it "
-        "every control_interval_s (1 s), applies it and answers in control-ack-NNNNN.json; the command waits "
-        "up to --wait seconds for the answers. Without --set, show the latest requests and which ranks "
-        "applied, refused or have not answered them. Requests made before a rank attached are not applied.",
+        "gives a page to do it). With --set, append a request to RUN_DIR/control.json: one rank per host looks "
+        "at it every control_interval_s (1 s) and passes it on to the host's other ranks; each applies it and "
+        "answers in control-ack-NNNNN.json; the command waits up to --wait seconds for the answers. Without "
+        "--set, show the latest requests and which ranks applied, refused or have not answered them. Requests "
+        "made before a rank attached are not applied. Exit status: 0 every rank addressed applied it; 1 some "
+        "refused it or did not answer; 2 a bad request, or no rank answered (no running job to control).",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run dir of the running job")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -420,16 +445,26 @@ def _add_control(sub: argparse._SubParsersAction) -> None:
                    "(repeatable; all applied or none)")  # fmt: skip
     p.add_argument("--rank", type=int, help="only this rank (default: every rank)")
     p.add_argument("--wait", type=float, default=5.0, metavar="SECONDS",
-                   help="how long to wait for the ranks' answers after --set (default 5; 0: do not wait)")  # fmt: skip
+                   help="how long to wait for the ranks' answers after --set "
+                   "(default 5; 0: neither wait nor check)")  # fmt: skip
     p.set_defaults(func=run)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command-line mistake is one line, as every other error (``--help`` shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="stragglerwatch",
         description="Find the slow and the stuck ranks of PyTorch DDP training jobs.",
         epilog="Record a run with stragglerwatch.attach(model) in the training script; "
-        "then inspect its run dir with the commands above.",
+        "then inspect its run dir with the commands above. Exit status: 0 done, 1 a finding asked for with "
+        "analyze --fail-on (or a control request some ranks did not apply), 2 bad input (one line on stderr), "
+        "130 interrupted.",
     )
     parser.add_argument("--version", action="version", version=f"stragglerwatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -438,7 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-rank table of a run: median step, busy and phase times, busy time vs peers",
         description="Print one row per rank of a run dir: median step time, busy time "
         "(step minus exposed communication and evaluation: the straggler signal) and phase times in ms, "
-        "and the rank's busy time relative to the median of its peers.",
+        "busy_vs_peers (the median over its steps of its busy time over its peers', a ratio: 1.20x is 20%% "
+        "busier) and whether analyze flags it: the per-rank table of analyze's report, every rank of it.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run dir written by stragglerwatch.attach()")
     p.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
@@ -452,11 +488,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Per command, the options that do something only with another: (option, what it needs, whether it has it).
+#: Given without it, the option is refused, not ignored.
+NEEDS: dict[str, list[tuple[str, str, Callable[[argparse.Namespace], bool]]]] = {
+    "analyze": [("meta", "an op-level trace file as RUN_DIR", lambda a: bool(a.run_dir) and Path(a.run_dir).is_file()),
+                ("address", "--engine ray", lambda a: a.engine == "ray")],
+    "dashboard": [("run", "--prometheus URL", lambda a: bool(a.prometheus))],
+    "demo": [("metrics_port", "--prometheus", lambda a: a.prometheus),
+             ("prometheus_port", "--prometheus", lambda a: a.prometheus)],
+    "simulate": [(name, "--tokens", lambda a: a.tokens > 0) for name in
+                 ("token_cv", "token_seqs", "token_mode", "token_share", "attn_share")]
+                + [(name, "--token-mode static", lambda a: a.token_mode == "static") for name in
+                   ("heavy_rank", "heavy_share")]
+                + [("drift_steps", "--rank-drift", lambda a: a.rank_drift > 0),
+                   ("stall_mag", "--stall-every", lambda a: a.stall_every > 0)],
+}  # fmt: skip
+
+
+def refused(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The first option of ``args`` given (not at its default) without what it needs (:data:`NEEDS`)."""
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub = subs.choices[args.command]
+    for dest, needs, has in NEEDS.get(args.command, []):
+        if getattr(args, dest) != sub.get_default(dest) and not has(args):
+            return f"--{dest.replace('_', '-')} does nothing without {needs}"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
+        return 2
+    why = refused(parser, args)
+    if why:
+        print(f"stragglerwatch {args.command}: error: {why}", file=sys.stderr)
         return 2
     warnings.showwarning = _show_warning
     try:

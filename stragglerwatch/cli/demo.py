@@ -23,8 +23,8 @@ JOB_MODULE = "stragglerwatch.cli.demo_job"  # the demo's training job, shipped i
 def demo_command(args: Any) -> list[str]:
     """The torchrun command line of the demo job."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
-           "-m", JOB_MODULE, "--steps", str(args.steps), "--slow-rank", str(args.slow_rank), "--slowdown",
-           str(args.slowdown), "--cause", args.cause, "--from-step", str(args.from_step), "--run-dir",
+           "-m", JOB_MODULE, "--steps", str(args.steps), "--slow-rank", str(args.slow_rank), "--delay",
+           str(args.delay), "--cause", args.cause, "--from-step", str(args.from_step), "--run-dir",
            str(args.run_dir)]  # fmt: skip
     if args.hang:
         cmd += ["--stall-rank", str((args.slow_rank + 1) % args.ranks), "--stall-at-step",
@@ -73,7 +73,7 @@ def run_demo(args: Any) -> int:
     if args.prometheus:
         env.update(STRAGGLERWATCH_PROMETHEUS_PORT=str(args.metrics_port), STRAGGLERWATCH_PROMETHEUS_ADDR="127.0.0.1")
         prom, prom_line = start_prometheus(args.run_dir, args.prometheus_port)
-    what = f"rank {args.slow_rank} {args.slowdown * 1000:.0f} ms/step slower ({args.cause}) from step {args.from_step}"
+    what = f"rank {args.slow_rank} {args.delay * 1000:.0f} ms/step slower ({args.cause}) from step {args.from_step}"
     print(f"demo: {args.ranks} ranks, {args.steps} steps, {what}{'; plus a stall' if args.hang else ''}")
     print(f"demo: run dir {args.run_dir}")
     print(f"demo: dashboard {server.url}  (open it in a browser)", flush=True)

@@ -2,11 +2,11 @@
 with an optional injected straggler: the job ``stragglerwatch demo`` runs.
 
     torchrun --nproc_per_node 4 -m stragglerwatch.cli.demo_job --steps 60 \
-        --slow-rank 2 --slowdown 0.02 --cause compute --from-step 10
+        --slow-rank 2 --delay 0.02 --cause compute --from-step 10
 
 (from a checkout, ``examples/train_ddp.py`` runs the same job).
 
-Injections (on ``--slow-rank`` from ``--from-step`` on, ``--slowdown`` seconds a step):
+Injections (on ``--slow-rank`` from ``--from-step`` on, ``--delay`` seconds a step):
 - ``compute``: the rank's forward and backward take longer (a third in forward,
   two thirds in backward), as on a throttled or weaker GPU;
 - ``data``: the rank's data loader takes longer to deliver each batch;
@@ -50,7 +50,7 @@ class Injection:
     def __init__(self, args: argparse.Namespace, rank: int):
         self.active_rank = args.slow_rank == rank
         self.cause = args.cause
-        self.delay = args.slowdown
+        self.delay = args.delay
         self.from_step = args.from_step
         self.step = 0
 
@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10,
                    help="all-reduce the loss for logging every N steps (default 10; 0: never)")  # fmt: skip
     p.add_argument("--slow-rank", type=int, default=-1, help="rank to slow down (default: none)")
-    p.add_argument("--slowdown", type=float, default=0.02, help="extra seconds a step on the slow rank (default 0.02)")
+    p.add_argument("--delay", type=float, default=0.02, help="extra seconds a step on the slow rank (default 0.02)")
     p.add_argument("--cause", choices=("compute", "data", "optimizer", "other"), default="compute",
                    help="what is slow (default compute)")  # fmt: skip
     p.add_argument("--from-step", type=int, default=0, help="first slowed step (default 0)")

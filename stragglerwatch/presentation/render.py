@@ -416,15 +416,21 @@ def render_text(report: dict[str, Any], width: int = 80) -> str:
         for rank, stacks in (h.get("stacks") or {}).items():
             lines += ["", f"rank {rank}, main thread, when the stall was noticed:"]
             lines += ["  " + line[: width - 2] for line in main_stack(stacks).splitlines()]
-    lines += ["", "per rank (medians, ms; busy = step - exposed communication - eval):"]
-    lines.append(
-        f"{'rank':>6} {'step':>7} {'busy':>7} {'data':>6} {'fwd':>6} {'bwd':>6} {'comm':>7} "
-        f"{'opt':>5} {'other':>6} {'vs peers':>8}"
-    )
+    lines += ["", *rank_table(report)]
+    return "\n".join(lines)
+
+
+def rank_table(report: dict[str, Any], limit: int | None = MAX_TABLE_ROWS) -> list[str]:
+    """The report's per-rank table (``analyze`` shows at most ``limit`` rows: the flagged and the slowest;
+    ``summary`` every one), and the work table under it where work was recorded."""
+    lines = ["per rank, medians over its steps in ms (busy = step - exposed comm - eval;",
+             "vs peers = busy_vs_peers, its busy time over its peers'; * = flagged):",
+             f"{'rank':>6} {'step':>7} {'busy':>7} {'data':>6} {'fwd':>6} {'bwd':>6} {'comm':>7} "
+             f"{'opt':>5} {'other':>6} {'vs peers':>8}"]  # fmt: skip
     rows = report["ranks"]
-    if len(rows) > MAX_TABLE_ROWS:
-        ordered = sorted(rows, key=lambda r: (not r["flagged"], -(r["slowdown"] or r["busy_ms"] or 0)))
-        shown = sorted(ordered[:MAX_TABLE_ROWS], key=lambda r: r["rank"])
+    if limit is not None and len(rows) > limit:
+        ordered = sorted(rows, key=lambda r: (not r["flagged"], -(r["busy_vs_peers"] or r["busy_ms"] or 0)))
+        shown = sorted(ordered[:limit], key=lambda r: r["rank"])
     else:
         shown = rows
     for r in shown:
@@ -432,12 +438,11 @@ def render_text(report: dict[str, Any], width: int = 80) -> str:
         lines.append(
             f"{r['rank']:>6} {_f(r['step_ms'], 7)} {_f(r['busy_ms'], 7)} {_f(r['data_wait_ms'], 6)} "
             f"{_f(r['forward_ms'], 6)} {_f(r['backward_ms'], 6)} {_f(r.get('comm_wait_ms'), 7)} "
-            f"{_f(r['optimizer_ms'], 5)} {_f(r['other_ms'], 6)} {_f(r['slowdown'], 7, 2)}x{flag}"
+            f"{_f(r['optimizer_ms'], 5)} {_f(r['other_ms'], 6)} {_f(r['busy_vs_peers'], 7, 2)}x{flag}"
         )
     if len(rows) > len(shown):
         lines.append(f"  ... {len(rows) - len(shown)} more ranks (flagged and slowest shown; --format json for all)")
-    lines += work_table_lines(report, shown)
-    return "\n".join(lines)
+    return lines + work_table_lines(report, shown)
 
 
 def work_table_lines(report: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
@@ -450,8 +455,9 @@ def work_table_lines(report: dict[str, Any], rows: list[dict[str, Any]]) -> list
     lines = ["", f"work per rank (medians; work in {unit} per step, busy µs per {one}):",
              f"{'rank':>6} {'work/step':>11} {'busy/' + one:>14} {'busy ms':>8} {'vs peers':>8}"]  # fmt: skip
     for r in rows:
+        flag = " *" if r["flagged"] else ""
         lines.append(f"{r['rank']:>6} {_g(r.get('work'), 11)} {_g(r.get('busy_per_work_us'), 14)} "
-                     f"{_f(r['busy_ms'], 8)} {_f(r['slowdown'], 7, 2)}x{' *' if r['flagged'] else ''}")  # fmt: skip
+                     f"{_f(r['busy_ms'], 8)} {_f(r['busy_vs_peers'], 7, 2)}x{flag}")  # fmt: skip
     return lines
 
 

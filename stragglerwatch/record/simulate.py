@@ -42,6 +42,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from stragglerwatch._units import parse_slowdown
 from stragglerwatch.record.rundir import RunInfo, write_json_atomic
 from stragglerwatch.record.schema import SCHEMA_VERSION, STEP_SCHEMA
 
@@ -52,7 +53,8 @@ CAUSE_PHASES = {"compute": ("forward_s", "backward_s"), "data": ("data_wait_s",)
 
 @dataclass
 class Injection:
-    """One injected straggler: ``rank`` is ``slowdown`` (0.2 = 20%) busier from ``onset``."""
+    """One injected straggler: ``rank`` is ``slowdown`` (a fraction here: 0.2 = 20 %, ``1.2x``) busier from
+    ``onset``; :meth:`parse` reads it as the ratio the command line and the reports use."""
 
     rank: int
     slowdown: float
@@ -69,17 +71,22 @@ class Injection:
 
     @classmethod
     def parse(cls, text: str) -> Injection:
-        """``RANK:SLOWDOWN[:ONSET[:CAUSE[:END]]]``, e.g. ``7:0.2:500:data``."""
+        """``RANK:SLOWDOWN[:ONSET[:CAUSE[:END]]]``, e.g. ``7:1.2:500:data``: SLOWDOWN a ratio (``1.2``, ``1.2x`` or
+        ``20%``), as every slowdown is given."""
         parts = text.split(":")
         if not 2 <= len(parts) <= 5:
             raise ValueError(f"straggler {text!r}: expected RANK:SLOWDOWN[:ONSET[:CAUSE[:END]]]")
         try:
-            rank, slowdown = int(parts[0]), float(parts[1])
+            rank = int(parts[0])
             onset = int(parts[2]) if len(parts) > 2 and parts[2] else 0
             cause = parts[3] if len(parts) > 3 and parts[3] else "compute"
             end = int(parts[4]) if len(parts) > 4 and parts[4] else None
         except ValueError:
-            raise ValueError(f"straggler {text!r}: RANK, ONSET and END are integers, SLOWDOWN a number") from None
+            raise ValueError(f"straggler {text!r}: RANK, ONSET and END are integers") from None
+        try:
+            slowdown = parse_slowdown("SLOWDOWN", parts[1], hi=100.0) - 1.0
+        except ValueError as exc:
+            raise ValueError(f"straggler {text!r}: {exc}") from None
         if cause not in CAUSE_PHASES:
             raise ValueError(f"straggler {text!r}: cause must be one of {', '.join(CAUSE_PHASES)}")
         return cls(rank, slowdown, onset, cause, end)

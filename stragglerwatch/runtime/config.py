@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from stragglerwatch._units import parse_slowdown
 from stragglerwatch.analysis.policy import CAUSES as STRAGGLER_CAUSES
 from stragglerwatch.analysis.policy import ActRule
 from stragglerwatch.runtime.log import Problems
@@ -43,7 +44,7 @@ DISABLE_ENV = "STRAGGLERWATCH_DISABLE"
 MODES = ("full", "lean")
 #: Values of ``timing``: which clock times the phases (``devices.py``).
 TIMINGS = ("auto", "host", "cuda")
-#: Values of ``on_hang``: record the hang (the default), or also end the job's ranks (``policy.md``).
+#: Values of ``on_hang``: record the hang (the default), or also end the job's ranks (docs/policies.md).
 HANG_POLICIES = ("record", "abort")
 #: The built-in action of ``on_straggler``: write the straggler's host into exclusion files.
 EXCLUDE = "exclude"
@@ -101,7 +102,8 @@ TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off"
 #: a typo of a setting's.
 OTHER_ENV = {"STRAGGLERWATCH_DEBUG", "STRAGGLERWATCH_HOST", "STRAGGLERWATCH_PORT", "STRAGGLERWATCH_MAX_RUNS",
              "STRAGGLERWATCH_POLL_S", "STRAGGLERWATCH_REFRESH_MS", "STRAGGLERWATCH_SOURCE", "STRAGGLERWATCH_THREADS",
-             "STRAGGLERWATCH_WORKERS", "STRAGGLERWATCH_REQUIRE_ALL"}  # fmt: skip
+             "STRAGGLERWATCH_WORKERS", "STRAGGLERWATCH_REQUIRE_ALL", "STRAGGLERWATCH_NODE_DIR",
+             "STRAGGLERWATCH_TEST_CONTEND"}  # fmt: skip
 
 
 def parse_bool(name: str, value: Any) -> bool:
@@ -115,6 +117,17 @@ def parse_bool(name: str, value: Any) -> bool:
         return value.strip().lower() in TRUE_WORDS
     raise ConfigError(f"{name}={value!r} is not a boolean (True or False; or one of "
                       f"{', '.join(TRUE_WORDS + FALSE_WORDS)})")  # fmt: skip
+
+
+def _env_disables(value: str, problems: Problems | None) -> bool:
+    """``$STRAGGLERWATCH_DISABLE`` read as every boolean is; a value that is none is reported, and disables (what
+    its setter most likely meant)."""
+    try:
+        return parse_bool(DISABLE_ENV, value)
+    except ConfigError as exc:
+        if problems is not None:
+            problems.report("config", f"{exc}: stragglerwatch is disabled", key="disable")
+        return True
 
 
 def unknown_env(env: Mapping[str, str]) -> list[str]:
@@ -196,7 +209,7 @@ class Config:
     code_sample_hz: float | None = None
     """How often a background thread looks at where in the code the training thread is
     (``$STRAGGLERWATCH_CODE_SAMPLE_HZ``), so that ``analyze`` can name the code locations of a slow
-    rank's excess (``code-NNNNN.arrows``). Default 20 per second (its cost: README, "Overhead");
+    rank's excess (``code-NNNNN.arrows``). Default 20 per second (its cost: docs/accuracy-overhead.md);
     ``0`` turns it off; at most 200."""
 
     debug_server_port: int | None = None
@@ -212,7 +225,9 @@ class Config:
 
     control_interval_s: float = 1.0
     """How often the rank looks (one ``stat``) for a new request in the run dir's ``control.json``,
-    written by ``stragglerwatch control RUN_DIR --set ...``; ``0`` turns the control file off."""
+    written by ``stragglerwatch control RUN_DIR --set ...``: one rank per host looks at the shared file and
+    copies it to a node-local directory (``$STRAGGLERWATCH_NODE_DIR``, else ``/dev/shm``), where the
+    host's other ranks look; ``0`` turns the control file off."""
 
     timing: str | None = None
     """Which clock times the phases (``$STRAGGLERWATCH_TIMING``): ``"cuda"`` (events on the compute
@@ -267,8 +282,9 @@ class Config:
     ``on_straggler`` acts (``$STRAGGLERWATCH_STRAGGLER_AFTER_S``). Default 300 (``ActRule.after_s``)."""
 
     straggler_min_slowdown: float = ActRule.min_slowdown
-    """The least slowdown (busy time over its peers', for the same work) that ``on_straggler`` acts on:
-    above the detector's flag, so that the few-percent drift a healthy node wanders by never acts."""
+    """The least slowdown (busy time over its peers', for the same work, as a ratio: ``1.15``, ``"1.15x"`` or
+    ``"15%"``) that ``on_straggler`` acts on: above the detector's flag, so that the few-percent drift a
+    healthy node wanders by never acts."""
 
     straggler_min_steps: int = ActRule.min_steps
     """The fewest steps a rank must have been flagged for before ``on_straggler`` acts: a chance run
@@ -305,6 +321,11 @@ class Config:
     def __post_init__(self) -> None:
         """Each setting checked where it is given: a boolean given as a word is read strictly, a number must
         be one, and the values must make sense together (:meth:`check`); :class:`ConfigError` otherwise."""
+        try:  # a slowdown, as everywhere: a ratio, also as text ("1.15x", "15%")
+            object.__setattr__(self, "straggler_min_slowdown",
+                               parse_slowdown("straggler_min_slowdown", self.straggler_min_slowdown))  # fmt: skip
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         for f in fields(self):
             kind = str(f.type).replace(" | None", "").strip()
             value = getattr(self, f.name)
@@ -370,7 +391,7 @@ class Config:
         if typos and problems is not None:
             problems.report("config", f"{', '.join(typos)}: no such setting, ignored (the settings' variables: "
                             "docs, Instrumenting, Settings)", key="unknown-env")  # fmt: skip
-        if env.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
+        if env.get(DISABLE_ENV, "").strip() and _env_disables(env[DISABLE_ENV], problems):
             from_env["enabled"] = False
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(given) - known)
@@ -423,8 +444,11 @@ class Config:
                 raise ConfigError(f"on_straggler takes {EXCLUDE!r}, a callable or a list of these, not {action!r}")
         if self.straggler_after_s is not None and not self.straggler_after_s >= 0:
             raise ConfigError(f"straggler_after_s must be >= 0, not {self.straggler_after_s}")
-        if not self.straggler_min_slowdown > 1.0 or self.straggler_min_steps < 1:
-            raise ConfigError("straggler_min_slowdown must be > 1 and straggler_min_steps >= 1")
+        if not self.straggler_min_slowdown > 1.0:
+            raise ConfigError(f"straggler_min_slowdown must be a slowdown ratio above 1 (1.15: 15% busier than its "
+                              f"peers), not {self.straggler_min_slowdown}")  # fmt: skip
+        if self.straggler_min_steps < 1:
+            raise ConfigError(f"straggler_min_steps must be >= 1, not {self.straggler_min_steps}")
         unknown = sorted(set(self.straggler_causes) - set(STRAGGLER_CAUSES))
         if isinstance(self.straggler_causes, str) or unknown:
             raise ConfigError(f"straggler_causes is a tuple of {', '.join(STRAGGLER_CAUSES)}, "

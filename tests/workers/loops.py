@@ -99,7 +99,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scaler-skip-at", type=int, default=-1)
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--cause", choices=("compute", "data", "optimizer"), default="compute")
-    p.add_argument("--slowdown", type=float, default=0.02)
+    p.add_argument("--delay", type=float, default=0.02)
     p.add_argument("--from-step", type=int, default=10)
     p.add_argument("--stall-rank", type=int, default=-1)
     p.add_argument("--stall-at", type=int, default=10)
@@ -118,7 +118,7 @@ def main() -> None:
     step = 0
 
     def slow(cause: str) -> float:
-        return args.slowdown if rank == args.slow_rank and cause == args.cause and step >= args.from_step else 0.0
+        return args.delay if rank == args.slow_rank and cause == args.cause and step >= args.from_step else 0.0
 
     model = DDP(Net(args, slow))
     params = list(model.parameters())

@@ -11,7 +11,7 @@ attached; what the test checks goes into OUT_DIR:
   ``--handler before|after|none``: the application's SIGTERM handler, installed before or after attach,
   writes ``ckpt-<restart>-<rank>`` and calls ``sys.exit(0)``;
 - ``recover``: rank 1 pauses ``--pause`` seconds at step ``--hang-step``, then goes on;
-- ``straggler``: rank ``--slow-rank`` (none: -1) sleeps ``--slowdown`` seconds in every forward from step
+- ``straggler``: rank ``--slow-rank`` (none: -1) sleeps ``--delay`` seconds in every forward from step
   10 (``--contend``: instead, each rank pinned to a CPU of its own, busy processes pinned to its CPU from
   step 10 take most of it); ``--log-rank0 S``: rank 0 writes a metrics line to ``metrics.jsonl`` after
   every optimizer step, a duty of S seconds; rank 0's ``on_straggler`` action appends each verdict to
@@ -52,7 +52,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--handler", choices=("before", "after", "none"), default="none")
     p.add_argument("--pause", type=float, default=3.0)
     p.add_argument("--slow-rank", type=int, default=-1)
-    p.add_argument("--slowdown", type=float, default=0.02)
+    p.add_argument("--delay", type=float, default=0.02)
     p.add_argument("--contend", action="store_true", help="slow the slow rank by CPU contention, not a sleep")
     p.add_argument("--hidden", type=int, default=64, help="the model's hidden width (more compute per step)")
     p.add_argument("--batch", type=int, default=16)
@@ -125,7 +125,7 @@ def main() -> None:
     if args.handler == "after":
         signal.signal(signal.SIGTERM, checkpoint)
     if args.mode == "straggler" and rank == args.slow_rank and not args.contend:
-        slow.delay = args.slowdown
+        slow.delay = args.delay
     spinners: list[subprocess.Popen] = []
     metrics = (args.out / "metrics.jsonl").open("a") if args.log_rank0 and rank == 0 else None
 

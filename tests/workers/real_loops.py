@@ -3,7 +3,7 @@
 Run under torchrun (gloo, CPU), one loop per ``--shape``; each is instrumented only with
 ``watch = stragglerwatch.attach(model, run_dir)`` right after the DDP wrap (``--mark`` adds the
 data marker where a shape has one). One injection per job: from step ``--from-step`` on, rank
-``--slow-rank`` is ``--slowdown`` seconds a step slower, in the place a real straggler of that
+``--slow-rank`` is ``--delay`` seconds a step slower, in the place a real straggler of that
 kind would be slow. The shapes, and why people write loops so:
 
 ``nanogpt``
@@ -73,7 +73,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", default=None, help="data files and checkpoints (default: beside the run dir)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--slow-rank", type=int, default=-1)
-    p.add_argument("--slowdown", type=float, default=0.02, help="seconds a step the slow rank loses")
+    p.add_argument("--delay", type=float, default=0.02, help="seconds a step the slow rank loses")
     p.add_argument("--from-step", type=int, default=10)
     p.add_argument("--mark", action="store_true", help="nanogpt: get_batch = watch.data(get_batch)")
     p.add_argument("--eval-every", type=int, default=10)
@@ -200,7 +200,7 @@ def nanogpt(args: argparse.Namespace, rank: int) -> None:
         # We recreate np.memmap every batch to avoid a memory leak, as per nanoGPT
         data = np.memmap(data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
         if slow and iter_num >= args.from_step:  # the injection: this rank's storage is slow
-            time.sleep(args.slowdown / gradient_accumulation_steps)
+            time.sleep(args.delay / gradient_accumulation_steps)
         ix = torch.randint(len(data) - block_size, (batch_size,))
         x = torch.stack([torch.from_numpy((data[i : i + block_size]).astype(np.int64)) for i in ix])
         y = torch.stack([torch.from_numpy((data[i + 1 : i + 1 + block_size]).astype(np.int64)) for i in ix])
@@ -250,7 +250,7 @@ def nanogpt(args: argparse.Namespace, rank: int) -> None:
 
 def injected(args: argparse.Namespace, rank: int, micro_batches: int = 1) -> SlowLayer:
     """The model's slow layer: ``slowdown`` a step on the slow rank from ``from_step`` on, none elsewhere."""
-    delay = args.slowdown / micro_batches if rank == args.slow_rank else 0.0
+    delay = args.delay / micro_batches if rank == args.slow_rank else 0.0
     return SlowLayer(delay, args.from_step * micro_batches)
 
 
@@ -355,7 +355,7 @@ class TokenStream(IterableDataset):
 def streaming(args: argparse.Namespace, rank: int) -> None:
     batch_size, latency_s = 16, 0.0002
     world = dist.get_world_size()
-    slow_latency_s = latency_s + args.slowdown / batch_size if rank == args.slow_rank else latency_s
+    slow_latency_s = latency_s + args.delay / batch_size if rank == args.slow_rank else latency_s
     stream = TokenStream(args.steps * batch_size * world, rank, world, latency_s, slow_latency_s,
                          args.from_step * batch_size)  # fmt: skip
     loader = DataLoader(stream, batch_size=batch_size, num_workers=0)
@@ -394,7 +394,7 @@ class RemoteFiles(Dataset):
 def workers(args: argparse.Namespace, rank: int) -> None:
     batch_size, num_workers, read_s = 16, 2, 0.0002
     # the slow rank's two workers together deliver a batch every `slowdown` + ~10 ms: the step waits for them
-    slow_read_s = (args.slowdown + 0.01) * num_workers / batch_size if rank == args.slow_rank else read_s
+    slow_read_s = (args.delay + 0.01) * num_workers / batch_size if rank == args.slow_rank else read_s
     dataset = RemoteFiles(args.steps * batch_size * dist.get_world_size(), read_s, slow_read_s,
                           args.from_step * batch_size // num_workers)  # fmt: skip
     sampler = DistributedSampler(dataset)

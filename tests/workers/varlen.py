@@ -8,7 +8,7 @@ of device-like time per token (a sleep: on a GPU the host waits the same way), s
 cost follows its tokens. ``--mask`` passes a padded ``{"input_ids", "attention_mask"}`` mapping
 instead of the packed ids (the model computes only the unmasked tokens; with ``--pad-compute`` its
 device-like time follows the padded shape instead, as a model run over the padding does). ``--slow-rank`` is slow per
-token by ``--slowdown`` (its device time per token is that much longer) from ``--from-step`` on;
+token by ``--slowdown`` (a ratio: its device time per token is that many times longer) from ``--from-step`` on;
 ``--data-rank`` waits ``--data-ms`` more for each batch. Rank 0 writes to ``--truth`` the true cost of
 the imbalance per step: the slowest rank's device-like time and extra data wait, against the
 slowest had every rank been given the step's mean tokens.
@@ -69,7 +69,7 @@ def true_cost(args: argparse.Namespace, world: int, step: int) -> float:
     later = step >= args.from_step
     lens = [lengths(args, r, step) for r in range(world)]
     tokens = np.array([len(n) * n.max() if args.pad_compute else n.sum() for n in lens], dtype=float)
-    per = np.array([1.0 + args.slowdown if later and r == args.slow_rank else 1.0 for r in range(world)])
+    per = np.array([args.slowdown if later and r == args.slow_rank else 1.0 for r in range(world)])
     per *= args.us_per_token * 1e-6
     data = np.array([args.data_ms * 1e-3 if later and r == args.data_rank else 0.0 for r in range(world)])
     return float((per * tokens + data).max() - (per * tokens.mean() + data).max())
@@ -87,7 +87,7 @@ def main() -> None:
     p.add_argument("--mask", action="store_true")
     p.add_argument("--pad-compute", action="store_true", help="with --mask: the time follows the padded shape")
     p.add_argument("--slow-rank", type=int, default=-1)
-    p.add_argument("--slowdown", type=float, default=0.5)
+    p.add_argument("--slowdown", type=float, default=1.5)
     p.add_argument("--data-rank", type=int, default=-1)
     p.add_argument("--data-ms", type=float, default=6.0)
     p.add_argument("--from-step", type=int, default=10)
@@ -112,7 +112,7 @@ def main() -> None:
                 time.sleep(args.data_ms * 1e-3)
             inputs, target = batch(args, lens, VOCAB)
         slow = rank == args.slow_rank and step >= args.from_step
-        net.us_per_token = args.us_per_token * (1.0 + args.slowdown if slow else 1.0)
+        net.us_per_token = args.us_per_token * (args.slowdown if slow else 1.0)
         loss_fn(model(**inputs), target).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -44,7 +44,7 @@ LISTED = "sw-listed"
 TABLE_COLUMNS = [
     ("rank", "rank"), ("host", "host"), ("steps", "steps"), ("step_ms", "step ms"), ("busy_ms", "busy ms"),
     ("data_wait_ms", "data"), ("forward_ms", "fwd"), ("backward_ms", "bwd"), ("comm_wait_ms", "comm"),
-    ("eval_ms", "eval"), ("optimizer_ms", "opt"), ("other_ms", "other"), ("slowdown", "vs peers"),
+    ("eval_ms", "eval"), ("optimizer_ms", "opt"), ("other_ms", "other"), ("busy_vs_peers", "busy vs peers"),
     ("flagged", "flagged"),
 ]  # fmt: skip
 WORK_GRID = {"display": "grid", "gridTemplateColumns": "minmax(0, 1fr) minmax(0, 1fr)", "gap": "8px"}
@@ -85,8 +85,8 @@ def default_rank(snapshot: Snapshot) -> int | None:
     report = snapshot.analysis.report
     if report["stragglers"]:
         return int(report["stragglers"][0]["rank"])
-    rows = [r for r in report["ranks"] if r.get("slowdown") is not None]
-    return int(max(rows, key=lambda r: r["slowdown"])["rank"]) if rows else None
+    rows = [r for r in report["ranks"] if r.get("busy_vs_peers") is not None]
+    return int(max(rows, key=lambda r: r["busy_vs_peers"])["rank"]) if rows else None
 
 
 def banner(snapshot: Snapshot, source_label: str) -> tuple[list[Any], dict[str, str]]:
