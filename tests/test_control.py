@@ -110,7 +110,8 @@ def test_watchdog_threshold_changes_at_run_time(tmp_path: Path, caplog: pytest.L
     wait_for(stepped_and_recovered, 5, "the recovery")
     state = seen["state"]
     assert state["stall"]["latest"]["threshold_s"] == 0.5
-    assert state["controls"] == {"changes": 1, "rejected": 0, "control_file": True, "debug_server": None}
+    controls_state = {**state["controls"], "control_file": state["controls"]["control_file"]["role"]}
+    assert controls_state == {"changes": 1, "rejected": 0, "control_file": "relay", "debug_server": None}
     assert controls.apply({"watchdog_timeout_s": "auto"})["settings"]["watchdog_timeout_s"] is None
     watch.close()
     stalls = [e for e in read_events(tmp_path / "run")[0] if e["kind"] == "stall"]
@@ -235,6 +236,10 @@ def test_control_command_refuses_bad_requests_in_one_line(tmp_path: Path, capsys
     assert cli(["control", str(run)]) == 2
     assert "newer than this stragglerwatch reads" in capsys.readouterr().err
     watch.close()
+    (run / CONTROL_FILE).unlink()
+    assert cli(["control", str(run), "--set", "recording=off", "--rank", "0", "--wait", "0.3"]) == 2, "nobody runs"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rank 0 did not answer request 1 within 0.3 s: the job is not running" in err
 
 
 def test_requests_made_before_attach_are_not_replayed(tmp_path: Path) -> None:
@@ -264,6 +269,21 @@ def test_a_broken_control_file_is_one_line_and_training_goes_on(tmp_path: Path,
     watch.close()
     with pytest.raises(ControlError):
         write_request(tmp_path / "run", {"recording": "off"})
+
+
+def test_without_a_node_local_directory_the_rank_looks_itself(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("STRAGGLERWATCH_NODE_DIR", str(tmp_path / "not-a-dir"))
+    with caplog.at_level(logging.WARNING, logger="stragglerwatch"):
+        model, opt, watch = make(tmp_path, control_interval_s=0.1)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "no node-local directory to share it with this host's other ranks" in line and "looks at" in line, line
+    assert watch.controls.state()["controls"]["control_file"]["role"] == "alone"
+    write_request(tmp_path / "run", {"recording": "off"})
+    wait_for(lambda: status(tmp_path / "run")["requests"][-1]["applied"] == [0], 5, "the answer")
+    assert watch.controls.state()["controls"]["control_file"]["shared_looks"] > 0
+    watch.close()
 
 
 # -- the worker handler and the pure parts of the debug server ----------------------------------------------------

@@ -14,11 +14,12 @@ thing that already reads it, so nothing new runs in the training thread's hot pa
 :meth:`Controls.apply` applies all or nothing, logs one line per change in the ``stragglerwatch``
 logger and counts them. Two ways reach it: PyTorch's debug server (``debugserver.py``) and, where
 torch has none, the run dir's control file: ``stragglerwatch control RUN_DIR --set K=V`` appends a
-numbered request to ``control.json`` (versioned; the latest 50 kept) and every rank's
-:class:`ControlFile` thread looks at the file once per ``control_interval_s`` (one ``stat``),
-applies the requests that are new since it attached and addressed to it, and writes what it did to
-``control-ack-NNNNN.json``, which ``stragglerwatch control RUN_DIR`` reads back. Requests made
-before a rank attached are not applied to it (a restarted job does not replay old commands).
+numbered request to ``control.json`` (versioned; the latest 50 kept); one rank per host looks at the
+file once per ``control_interval_s`` (one ``stat``) and relays it to the others through a node-local
+copy (``noderelay.py``); every rank's :class:`ControlFile` thread applies the requests that are new
+since it attached and addressed to it, and writes what it did to ``control-ack-NNNNN.json``, which
+``stragglerwatch control RUN_DIR`` reads back. Requests made before a rank attached are not applied
+to it (a restarted job does not replay old commands).
 
 :meth:`Controls.state` is the rank's live view: where the training thread is (step, phase,
 seconds in it), the last steps' figures, the watchdog's current stall and its diagnosis (read from
@@ -115,7 +116,8 @@ class Controls:
             try:
                 from stragglerwatch.runtime.controls.controlfile import ControlFile
 
-                self._file = ControlFile(self, info.run_dir, info.rank, control_interval_s, self.problems)
+                self._file = ControlFile(self, info.run_dir, info.rank, control_interval_s, self.problems,
+                                         run_id=info.run_id)
                 self._file.start()
             except Exception as exc:
                 self.problems.report("control", f"control file: cannot follow it ({type(exc).__name__}: {exc})")
@@ -278,6 +280,6 @@ class Controls:
             out["collectives"] = {}
         server = self.debug_server
         out["controls"] = {"changes": self.changes, "rejected": self.rejected,
-                           "control_file": self._file is not None,
+                           "control_file": self._file.describe() if self._file is not None else None,
                            "debug_server": server.describe() if server is not None else None}  # fmt: skip
         return clean(out)

@@ -2,11 +2,14 @@
 
 Design: ``stragglerwatch control RUN_DIR --set K=V [--rank R]`` appends a numbered request to
 ``control.json`` (versioned; the latest 50 kept; an advisory lock keeps two operators from losing one).
-Every rank's :class:`ControlFile` thread looks at the file once per ``control_interval_s`` (one
-``stat``), applies the requests that are new since it attached and addressed to it through the same
-:meth:`Controls.apply <stragglerwatch.runtime.controls.control.Controls.apply>` the debug server uses, and writes what
-it did to ``control-ack-NNNNN.json``, which ``stragglerwatch control RUN_DIR`` reads back. Requests made
-before a rank attached are not applied to it (a restarted job does not replay old commands).
+One rank per host, the relay (``noderelay.py``), looks at the file once per ``control_interval_s`` (one
+``stat``) and copies it, when it changes, into a node-local directory where the host's other ranks look;
+so the shared file system sees one ``stat`` per host per interval, not one per rank. Where no rank can
+share that directory, each rank looks at the shared file itself (said once). Every rank applies the
+requests that are new since it attached and addressed to it through the same
+:meth:`Controls.apply <stragglerwatch.runtime.controls.control.Controls.apply>` the debug server uses, and
+writes what it did to ``control-ack-NNNNN.json``, which ``stragglerwatch control RUN_DIR`` reads back.
+Requests made before a rank attached are not applied to it (a restarted job does not replay old commands).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from stragglerwatch.runtime.controls.controlspec import (
     clean,
     parse_settings,
 )
+from stragglerwatch.runtime.controls.noderelay import NodeRelay
 from stragglerwatch.runtime.log import Problems
 
 # -- the control file ---------------------------------------------------------------------------------
@@ -51,8 +55,18 @@ def _read_json(path: Path) -> Any:
 
 def read_requests(run_dir: Path) -> list[dict[str, Any]]:
     """The requests of a run dir's control file, oldest first ([] when there is none)."""
-    path = Path(run_dir) / CONTROL_FILE
-    data = _read_json(path)
+    return requests_in(Path(run_dir) / CONTROL_FILE)
+
+
+def requests_in(path: Path, text: str | bytes | None = None) -> list[dict[str, Any]]:
+    """The requests of the control file at ``path`` (or of its ``text``, read from there), oldest first."""
+    if text is None:
+        data = _read_json(path)
+    else:
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ControlError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
     if data is None:
         return []
     if not isinstance(data, dict) or data.get("schema") != "stragglerwatch-control":
@@ -185,8 +199,10 @@ def render_status(st: dict[str, Any], now: float | None = None, last: int = 10) 
 def command(run_dir: str, sets: list[str], rank: int | None, wait_s: float,
             out: Callable[[str], None] = print) -> int:  # fmt: skip
     """``stragglerwatch control``: write a request (``sets``: ``KEY=VALUE``) and wait up to ``wait_s``
-    for the ranks to answer, or (no ``sets``) show the requests and who answered. Raises
-    :class:`ControlError` (one line) for a request that cannot be made."""
+    for the ranks to answer, or (no ``sets``) show the requests and who answered. Returns 0 when every
+    rank addressed applied it (or ``wait_s`` is 0: not checked, and said), 1 when some refused it or did
+    not answer. Raises :class:`ControlError` (one line) for a request that cannot be made, and when no
+    rank addressed answered within ``wait_s`` (no job is running to control)."""
     if not sets:
         out(render_status(status(run_dir)))
         return 0
@@ -197,23 +213,44 @@ def command(run_dir: str, sets: list[str], rank: int | None, wait_s: float,
             raise ControlError(f"--set takes KEY=VALUE, not {item!r} (keys: {', '.join(CONTROL_KEYS)})")
         settings[key.strip()] = value.strip()
     request = write_request(run_dir, settings, rank)
-    deadline = time.monotonic() + max(0.0, wait_s)
+    wait_s = max(0.0, wait_s)
+    deadline = time.monotonic() + wait_s
     while True:
         st = status(run_dir)
         mine = next((r for r in st["requests"] if r["seq"] == request["seq"]), None)
         if mine is None or not mine["pending"] or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    st["requests"] = [mine] if mine is not None else []
+    if mine is None:  # pruned already: 50 newer requests within the wait
+        raise ControlError(f"request {request['seq']} is no longer in {Path(run_dir) / CONTROL_FILE}")
+    pending = mine["pending"]
+    if wait_s and pending and not mine["applied"] and not mine["refused"]:
+        who = "no rank answered" if rank is None else f"rank {rank} did not answer"
+        raise ControlError(f"{who} request {mine['seq']} within {wait_s:g} s: the job is not running, or its "
+                           "ranks do not look at the control file (control_interval_s=0) or look less often than "
+                           "that (try a longer --wait)")  # fmt: skip
+    if not wait_s:
+        st["requests"] = [mine]
+        out(render_status(st))
+        out(f"not checked (--wait 0): see who applied it with: stragglerwatch control {run_dir}")
+        return 0
+    st["requests"] = [{**mine, "pending": []}]
     out(render_status(st))
-    return 1 if mine is not None and mine["refused"] else 0
+    if pending:
+        out(f"  no answer within {wait_s:g} s from rank{'s' if len(pending) > 1 else ''} {_ranks(pending)} "
+            "(stopped, or not looking at the control file)")  # fmt: skip
+    return 1 if mine["refused"] or pending else 0
 
 
 class ControlFile:
-    """One rank's follower of the run dir's control file: a daemon thread that ``stat``s it every
-    ``interval_s`` and applies the new requests addressed to this rank through :class:`Controls`."""
+    """One rank's follower of the run dir's control file: a daemon thread that looks every ``interval_s``
+    (at the shared file as its host's relay or alone, else at the relay's node-local copy) and applies the
+    new requests addressed to this rank through :class:`Controls`. ``node_dir``: where the ranks of this
+    host meet (default :func:`~stragglerwatch.runtime.controls.noderelay.node_base`); ``relay=False``: look
+    at the shared file without a relay."""
 
-    def __init__(self, controls: ControlSurface, run_dir: Path, rank: int, interval_s: float, problems: Problems):
+    def __init__(self, controls: ControlSurface, run_dir: Path, rank: int, interval_s: float, problems: Problems,
+                 *, run_id: str = "", node_dir: Path | None = None, relay: bool = True):  # fmt: skip
         self.controls = controls
         self.path = Path(run_dir) / CONTROL_FILE
         self.ack_path = Path(run_dir) / ACK_FILE.format(rank=rank)
@@ -221,11 +258,24 @@ class ControlFile:
         self.interval_s = interval_s
         self.problems = problems
         self.applied = 0
-        self._signature = self._stat()
+        self.shared_looks = 0  # stats of the shared control file after attach
+        self.local_looks = 0  # stats of the relay's node-local copy
+        self.node: NodeRelay | None = None
+        if relay:
+            try:
+                self.node = NodeRelay(self.path.parent, run_id, node_dir)
+            except (OSError, ImportError) as exc:
+                problems.report("control", f"control file: no node-local directory to share it with this host's "
+                                f"other ranks ({type(exc).__name__}: {exc}); rank {rank} looks at {self.path} "
+                                "itself")  # fmt: skip
+        self._signature = self._stat(self.path)  # of the shared file, for the relay or a rank alone
+        self._copy_signature: tuple[int, int, int] | None = None  # of the node-local copy, for the others
+        self._attached_ns = time.time_ns()
         try:  # requests made before this attach are not for it
             self._seen = max((r["seq"] for r in read_requests(self.path.parent)), default=0)
         except ControlError:
             self._seen = 0
+        self._lead()
         self._acks: list[dict[str, Any]] = []
         with contextlib.suppress(ControlError):
             old = _read_json(self.ack_path)  # an earlier process of this rank: its answers stay readable
@@ -234,6 +284,18 @@ class ControlFile:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"stragglerwatch-control-{rank}", daemon=True)
 
+    @property
+    def role(self) -> str:
+        """``relay`` (looks at the shared file for its host), ``follower`` (at the relay's copy) or ``alone``
+        (at the shared file, without a relay)."""
+        if self.node is None:
+            return "alone"
+        return "relay" if self.node.leader else "follower"
+
+    def describe(self) -> dict[str, Any]:
+        return {"role": self.role, "interval_s": self.interval_s, "shared_looks": self.shared_looks,
+                "local_looks": self.local_looks, "applied": self.applied}  # fmt: skip
+
     def start(self) -> None:
         self._thread.start()
 
@@ -241,13 +303,31 @@ class ControlFile:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
+        node, self.node = self.node, None
+        if node is not None:
+            try:
+                node.leave()
+            except OSError as exc:
+                self.problems.report("control", f"control file: leaving {node.dir}: {exc}")
 
-    def _stat(self) -> tuple[int, int, int] | None:
+    @staticmethod
+    def _stat(path: Path) -> tuple[int, int, int] | None:
         try:
-            st = os.stat(self.path)
+            st = os.stat(path)
             return (st.st_ino, st.st_size, st.st_mtime_ns)
         except OSError:
             return None
+
+    def _lead(self) -> None:
+        """Become the host's relay when there is none (the first rank, or the relay left)."""
+        node = self.node
+        if node is None or node.leader:
+            return
+        try:
+            if node.lead():
+                self._signature = None  # read the shared file at the next look, and copy it for the others
+        except OSError as exc:
+            self.problems.report("control", f"control file: relay lock in {node.dir}: {exc}")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -260,11 +340,38 @@ class ControlFile:
 
     def poll(self) -> int:
         """Apply the requests that are new since the last look; how many were for this rank."""
-        signature = self._stat()
+        self._lead()
+        node = self.node
+        if node is not None and not node.leader:
+            return self._poll_copy(node)
+        self.shared_looks += 1
+        signature = self._stat(self.path)
         if signature is None or signature == self._signature:
             return 0
-        requests = read_requests(self.path.parent)
+        try:
+            text = self.path.read_bytes()
+        except OSError as exc:
+            raise ControlError(f"{self.path}: unreadable ({type(exc).__name__}: {exc})") from None
+        requests = requests_in(self.path, text)
         self._signature = signature
+        if node is not None:
+            try:
+                node.publish(text)
+            except OSError as exc:
+                self.problems.report("control", f"control file: cannot copy it for this host's other ranks ({exc})")
+        return self._apply(requests)
+
+    def _poll_copy(self, node: NodeRelay) -> int:
+        self.local_looks += 1
+        signature = self._stat(node.copy)
+        # a copy older than this attach is at most what the rank saw then (or an earlier job's: not for it)
+        if signature is None or signature == self._copy_signature or signature[2] < self._attached_ns - 10**9:
+            return 0
+        requests = requests_in(node.copy)
+        self._copy_signature = signature
+        return self._apply(requests)
+
+    def _apply(self, requests: list[dict[str, Any]]) -> int:
         done = 0
         for req in requests:
             if req["seq"] <= self._seen:
