@@ -1,6 +1,6 @@
 """Straggler detection: pure functions over per-rank step timings, no I/O, no torch.
 
-Design (DESIGN.md, "Peers, consistency, cause, cost"):
+Design (docs/analysis.md, "How detection works"):
 
 1. Matrix: ``busy_s`` (and the phases) as steps x ranks arrays.
 2. Per step, each rank's relative excess over its peers' robust reference:

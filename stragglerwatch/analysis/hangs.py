@@ -1,6 +1,6 @@
 """Hang diagnosis: pure functions over ranks' published progress and recorded events.
 
-Design (DESIGN.md, "Hangs and timeouts"): when a rank stalls, every rank that can
+Design (docs/hangs.md, "The watchdog"): when a rank stalls, every rank that can
 publishes ``(step, phase, since)`` and ``collectives``: for each process group, how
 many collectives it has *issued* (the group's own sequence number, which counts
 DDP's C++ all-reduces and broadcasts too). A collective completes only when every

@@ -1,6 +1,6 @@
 """Load imbalance: ranks given unequal work in the same step, told apart from stragglers. Pure.
 
-Design (DESIGN.md, "Stragglers and load imbalance are different problems"). Each step record may
+Design (docs/imbalance.md, "How the analysis separates the two"). Each step record may
 carry the work its rank did (``work``: tokens, elements, what the loop noted). Per group of peers,
 every timed phase ``y`` (data wait, forward, backward, optimizer, other) and busy time are fitted
 with a two-way model with a slope per rank::

@@ -222,8 +222,9 @@ class Watch:
                                  f"{exc}")  # fmt: skip
 
     def latest(self) -> dict[str, float] | None:
-        """This rank's latest step written to the log (seconds per phase, ``busy_ratio``: busy
-        over step time), or None before the first write (steps are written every flush interval)."""
+        """This rank's latest step written to the log: ``step``, and in seconds ``step_s``, ``busy_s``,
+        ``comm_wait_s`` and ``data_wait_s`` (no other phase), and ``busy_ratio`` (busy over step time); or None
+        before the first write (steps are written every flush interval)."""
         last = self._last
         if last is None:
             return None

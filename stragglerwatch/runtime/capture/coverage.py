@@ -1,6 +1,6 @@
 """What of the signal stragglerwatch can see, and the reasons when it cannot.
 
-Design (DESIGN.md's contract): when a part of the signal cannot be measured, say so — a
+Design: when a part of the signal cannot be measured, say so — a
 message once, the reason in the run metadata (``busy_unavailable`` in ``rank-NNNNN.json``),
 and "busy time unavailable: <reason>" in every report — never a silent "no straggler".
 Reasons known at attach time come from :func:`unseen_communication`; those found while

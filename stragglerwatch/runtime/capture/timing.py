@@ -6,7 +6,7 @@ or a recorded ``torch.cuda.Event`` on the GPU path. Nothing is computed on the
 training thread. The event-log thread later resolves device marks lazily
 (:func:`resolve_cuda` returns ``None`` until every event has completed: it
 uses ``Event.query()``, never a synchronisation) and calls :func:`anatomy`,
-which is the single definition of the step anatomy in DESIGN.md. Events are timed only
+which is the single definition of the step anatomy (docs/run-dir.md, "What is recorded"). Events are timed only
 against events of their own device: a step whose marks straddle two devices (marks made
 before the probe learned where the model computes: ``placement.py``) cannot be resolved,
 and :func:`resolve_cuda` raises :class:`UnresolvableStep` for it; the log drops and counts
