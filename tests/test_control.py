@@ -310,7 +310,7 @@ def test_worker_handler_applies_where_addressed(tmp_path: Path) -> None:
 
 def _state(step: int, phase: str, count: int, stalled: bool = False, ratio: float = 0.3) -> dict:
     return {"step": step, "phase": phase, "collectives": {"0": count}, "stall": {"stalled": stalled},
-            "recent": {"busy_ratio_median": ratio}, "latest": {"busy_ratio": ratio}}  # fmt: skip
+            "recent": {"busy_share_median": ratio}, "latest": {"busy_share": ratio}}  # fmt: skip
 
 
 def test_verdict_names_the_culprit_and_the_busiest_rank() -> None:

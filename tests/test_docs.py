@@ -291,7 +291,7 @@ def test_files_and_modules_the_pages_name_exist() -> None:
                     continue  # a placeholder
                 last = name.rstrip("/").rsplit("/", 1)[-1]
                 if "." not in last and not name.endswith("/"):
-                    continue  # not a file name (a metric such as stragglerwatch/busy_ratio)
+                    continue  # not a file name (a metric such as stragglerwatch/busy_share)
                 if not (ROOT / name).exists():
                     problems.append(f"{rel(page)}:{n}: {name} does not exist")
             for m in DOTTED.finditer(line):

@@ -65,7 +65,7 @@ def test_lightning_compute_straggler_with_accumulation_and_validation(
     assert df.groupby("rank")["optimizer_s"].median().max() < 5 * MS, "the closure is not optimizer time"
     assert (df.groupby("rank")["eval_s"].max() > 0).all(), "validation is evaluation time"
     rows = list(csv.DictReader(next(logs.rglob("metrics.csv")).open()))
-    assert any(r.get("stragglerwatch/busy_ratio") for r in rows), "busy ratio in the trainer's logs"
+    assert any(r.get("stragglerwatch/busy_share") for r in rows), "busy share in the trainer's logs"
     assert any(r.get("stragglerwatch/straggler_rank") == "1.0" for r in rows), "the verdict in the trainer's logs"
 
 
@@ -98,7 +98,7 @@ def test_hf_trainer_data_straggler(tmp_path: Path, capsys: pytest.CaptureFixture
     history = json.loads((logs / "log_history.json").read_text())
     # the Trainer's own loss log at every logging step: adding ours must not make it skip its loss all-gather
     assert [h["step"] for h in history if "loss" in h] == [10, 20, 30, 40], history
-    assert any("stragglerwatch/busy_ratio" in h for h in history if "loss" in h)
+    assert any("stragglerwatch/busy_share" in h for h in history if "loss" in h)
     assert any(h.get("stragglerwatch/straggler_rank") == 0.0 for h in history)
 
 
@@ -155,10 +155,12 @@ def test_tensor_parallel_mesh_flags_only_the_slow_rank(tmp_path: Path, capsys: p
     partner = df[(df["step"] >= 12) & (df["rank"] == 2)]
     assert partner["collective_wait_s"].median() > DELAY / 3, "the TP partner's wait is counted as communication"
     assert r["arrivals"]["cleared"] == [], "eager TP needs no clearing: every wait was bracketed"
-    last = {x["rank"]: x["last_share"] for x in r["arrivals"]["ranks"]}
     # against its TP partner, the rank it holds up (not against every rank: rank 1, held up by rank 3 in
-    # their data-parallel collectives, then enters its own TP group's collectives late as often)
-    assert last[3] > last[2] + 0.1, f"the slow rank enters its collectives last more often than its partner: {last}"
+    # their data-parallel collectives, then enters its own TP group's collectives late as often). The
+    # partner's wait for later arrivals is the direct measure: how often a rank enters last is not (a data
+    # straggler is late only at a step's first collective; the others' order is a coin toss)
+    wait = {x["rank"]: x["wait_ms"] for x in r["arrivals"]["ranks"]}
+    assert wait[2] > wait[3] + DELAY * 1e3 / 3, f"its TP partner waits for the slow rank's arrival: {wait}"
 
 
 def test_compiled_tensor_parallel_partner_is_cleared_by_arrival_order(tmp_path: Path,

@@ -49,7 +49,7 @@ def test_hf_callback_keeps_the_trainers_own_logs(tmp_path: Path) -> None:
     history = trainer.state.log_history
     logged = [h for h in history if "loss" in h]
     assert [h["step"] for h in logged] == [4, 8, 12, 16, 20, 24], "every logging step's own loss log"
-    ours = [h for h in logged if "stragglerwatch/busy_ratio" in h]
-    assert len(ours) >= 4 and all(0 < h["stragglerwatch/busy_ratio"] <= 1.0 for h in ours), history
-    assert not any("stragglerwatch/busy_ratio" in h and "loss" not in h for h in history), "no log of our own"
+    ours = [h for h in logged if "stragglerwatch/busy_share" in h]
+    assert len(ours) >= 4 and all(0 < h["stragglerwatch/busy_share"] <= 1.0 for h in ours), history
+    assert not any("stragglerwatch/busy_share" in h and "loss" not in h for h in history), "no log of our own"
     assert trainer.callback_handler.callbacks[0] is callback, "ahead of the reporting integrations"

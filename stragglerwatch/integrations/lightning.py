@@ -14,7 +14,7 @@ version has them; else data wait is the gap before the first forward. Manual opt
 backward and the optimizer inside ``training_step``, which is inside the model's forward: the
 signal is reported unavailable there rather than wrong.
 
-With ``log_to_trainer=True`` the rank's busy ratio is logged with ``pl_module.log`` every
+With ``log_to_trainer=True`` the rank's busy share (busy over step time) is logged with ``pl_module.log`` every
 ``log_every_n_steps``, and at the end of fit rank 0 logs the job's verdict (stragglers, the worst
 one's rank and time lost) to every logger of the Trainer, read from the run dir on a thread of its
 own once every rank's log is complete (no barrier: the job does not wait for it;
@@ -50,7 +50,7 @@ class StragglerWatch(Callback):
 
     ``run_dir`` and ``attach_options`` are those of :func:`stragglerwatch.attach` (e.g.
     ``prometheus_port=19400``, ``watchdog_timeout_s=120``). ``log_to_trainer`` also logs the
-    rank's busy ratio and, at the end, the verdict to the Trainer's loggers."""
+    rank's busy share and, at the end, the verdict to the Trainer's loggers."""
 
     def __init__(
         self,
@@ -88,7 +88,7 @@ class StragglerWatch(Callback):
         every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 1))
         latest = self.watch.latest()
         if latest is not None and trainer.global_step % every == 0:
-            pl_module.log("stragglerwatch/busy_ratio", latest["busy_ratio"], on_step=True, on_epoch=False)
+            pl_module.log("stragglerwatch/busy_share", latest["busy_share"], on_step=True, on_epoch=False)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         watch, self.watch = self.watch, None

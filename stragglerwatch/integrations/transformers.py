@@ -11,8 +11,8 @@ skips is a step with no optimizer time. The batches of a step are fetched by
 ``trainer.get_batch_samples``, timed as data wait. Evaluation runs in eval mode without grad:
 evaluation time, not work.
 
-With ``log_to_trainer=True`` the rank's busy ratio goes into the Trainer's own logs
-(``stragglerwatch/busy_ratio``, at its ``logging_steps``): added to the log the Trainer makes, in
+With ``log_to_trainer=True`` the rank's busy share (busy over step time) goes into the Trainer's own logs
+(``stragglerwatch/busy_share``, at its ``logging_steps``): added to the log the Trainer makes, in
 ``on_log``, with our callback moved ahead of the reporting integrations so that they get it too. It
 never calls ``trainer.log`` during training: that call ends in ``CallbackHandler.on_log``, which clears
 ``control.should_log``, and the Trainer then skips its own loss all-gather at that step; a rank whose
@@ -45,7 +45,7 @@ class StragglerWatchCallback(TrainerCallback):
     """Record every rank's step anatomy with stragglerwatch during ``trainer.train()``.
 
     ``run_dir`` and ``attach_options`` are those of :func:`stragglerwatch.attach`;
-    ``log_to_trainer`` also puts the busy ratio and the final verdict into the Trainer's logs."""
+    ``log_to_trainer`` also puts the busy share and the final verdict into the Trainer's logs."""
 
     def __init__(
         self,
@@ -83,7 +83,7 @@ class StragglerWatchCallback(TrainerCallback):
         if state.global_step % max(1, int(every)) == 0:
             latest = self.watch.latest()
             if latest is not None:  # goes into the log the Trainer makes now (on_log), on this rank alone
-                self._pending = {"stragglerwatch/busy_ratio": round(latest["busy_ratio"], 4)}
+                self._pending = {"stragglerwatch/busy_share": round(latest["busy_share"], 4)}
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         pending, self._pending = self._pending, None

@@ -223,13 +223,13 @@ class Watch:
 
     def latest(self) -> dict[str, float] | None:
         """This rank's latest step written to the log: ``step``, and in seconds ``step_s``, ``busy_s``,
-        ``comm_wait_s`` and ``data_wait_s`` (no other phase), and ``busy_ratio`` (busy over step time); or None
+        ``comm_wait_s`` and ``data_wait_s`` (no other phase), and ``busy_share`` (busy over step time); or None
         before the first write (steps are written every flush interval)."""
         last = self._last
         if last is None:
             return None
         figures = {k: float(getattr(last, k)) for k in ("step", "step_s", "busy_s", "comm_wait_s", "data_wait_s")}
-        figures["busy_ratio"] = last.busy_s / last.step_s if last.step_s > 0 else float("nan")
+        figures["busy_share"] = last.busy_s / last.step_s if last.step_s > 0 else float("nan")
         return figures
 
     def step(self) -> None:

@@ -247,7 +247,7 @@ class Controls:
         ratios = [b / s for s, b in zip(step_s, busy_s, strict=True) if s > 0]
         return {"steps": len(recent), "first_step": steps[0], "last_step": steps[-1],
                 "step_s_median": statistics.median(step_s), "busy_s_median": statistics.median(busy_s),
-                "busy_ratio_median": statistics.median(ratios) if ratios else None}  # fmt: skip
+                "busy_share_median": statistics.median(ratios) if ratios else None}  # fmt: skip
 
     def state(self) -> dict[str, Any]:
         """This rank's live state as one JSON-ready dict (no NaN): identity, where the training thread

@@ -12,9 +12,10 @@ pages are ``DebugHandler`` plugins that fan out to every rank's worker. We add:
   it (``rank=R``: only on rank R), and the answer carries the result or the errors (:func:`handle`);
 - the frontend plugin (:func:`handler`, a ``DebugHandler``): the page ``/stragglerwatch`` (a table of all
   ranks, the job's verdict: the hang classification of ``hangs.classify`` over the ranks' live states
-  when one is stalled, and the ranks of highest busy ratio; a form to change a setting on all ranks or
-  one) and ``/stragglerwatch.json``. It fans out itself (stdlib ``urllib``, bounded timeouts, the store
-  keys above), so it needs neither requests nor aiohttp: only jinja2, which torch requires anyway;
+  when one is stalled, and the ranks of highest busy share (busy over step time); a form to change a
+  setting on all ranks or one) and ``/stragglerwatch.json``. It fans out itself (stdlib ``urllib``,
+  bounded timeouts, the store keys above), so it needs neither requests nor aiohttp: only jinja2, which
+  torch requires anyway;
 - starting the whole stack, opt-in and bound to loopback unless told otherwise, is ``debugstack.py``.
 
 Every use of torch's internals is in this module, imported late and guarded: with a torch that lacks
@@ -224,18 +225,18 @@ def job_view(params: Mapping[str, str] | None = None, timeout_s: float = 5.0,
                   "verdict": verdict(states, world), "ranks": ranks})  # fmt: skip
 
 
-def _busy_ratio(state: Mapping[str, Any]) -> float | None:
-    x = (state.get("recent") or {}).get("busy_ratio_median")
+def _busy_share(state: Mapping[str, Any]) -> float | None:
+    x = (state.get("recent") or {}).get("busy_share_median")
     if x is None:
-        x = (state.get("latest") or {}).get("busy_ratio")
+        x = (state.get("latest") or {}).get("busy_share")
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
 def verdict(states: Mapping[int, Mapping[str, Any] | None], world_size: int) -> dict[str, Any]:
     """The job now, from the ranks' live states (None: no answer): which ranks are stalled and, when
     one is, ``hang``: ``hangs.classify`` over every rank's step, phase and collectives issued (a rank
-    that does not answer is silent); ``slowest``: the ranks of highest busy ratio (median of their
-    recent steps), against the median of all. Pure."""
+    that does not answer is silent); ``slowest``: the ranks of highest busy share (median of their
+    recent steps' busy over step time), against the median of all. Pure."""
     alive = {int(r): s for r, s in states.items() if s}
     unreachable = sorted(r for r in range(world_size) if not alive.get(r))
     stalled = sorted(r for r, s in alive.items() if (s.get("stall") or {}).get("stalled"))
@@ -244,10 +245,10 @@ def verdict(states: Mapping[int, Mapping[str, Any] | None], world_size: int) -> 
         published = {r: {"step": int(s.get("step") or 0), "phase": s.get("phase"), "collectives": s.get("collectives")}
                      for r, s in alive.items()}  # fmt: skip
         hang = classify({r: published.get(r) for r in range(world_size)}, world_size)
-    ratios = {r: x for r, s in alive.items() if (x := _busy_ratio(s)) is not None}
+    ratios = {r: x for r, s in alive.items() if (x := _busy_share(s)) is not None}
     median = statistics.median(ratios.values()) if ratios else None
     order = sorted(ratios, key=lambda r: (-ratios[r], r))
-    slowest = [{"rank": r, "busy_ratio": ratios[r], "vs_median": ratios[r] / median if median else None}
+    slowest = [{"rank": r, "busy_share": ratios[r], "vs_median": ratios[r] / median if median else None}
                for r in order[:3]]  # fmt: skip
     lines = []
     if hang is not None:
@@ -259,12 +260,12 @@ def verdict(states: Mapping[int, Mapping[str, Any] | None], world_size: int) -> 
         lines.append("no rank is stalled")
     if slowest and median:
         top = slowest[0]
-        lines.append(f"highest busy ratio: rank {top['rank']} {top['busy_ratio']:.2f} "
+        lines.append(f"highest busy share: rank {top['rank']} {top['busy_share']:.2f} "
                      f"({top['vs_median']:.2f}x the median {median:.2f})")  # fmt: skip
     if unreachable:
         lines.append(f"no answer from rank{'s' if len(unreachable) > 1 else ''} {', '.join(map(str, unreachable))}")
     return {"stalled_ranks": stalled, "unreachable_ranks": unreachable, "hang": hang, "slowest": slowest,
-            "busy_ratio_median": median, "summary": lines}  # fmt: skip
+            "busy_share_median": median, "summary": lines}  # fmt: skip
 
 
 # -- the frontend plugin ----------------------------------------------------------------------------------------
@@ -325,8 +326,8 @@ def render_page(view: Mapping[str, Any], error: str | None = None) -> str:
         out.append("<p><a href='/stragglerwatch'>back to the live view</a></p>")
     v = view["verdict"]
     out.append("<h2>Job</h2><ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in v["summary"]) + "</ul>")
-    head = ("rank", "host", "step", "phase", "in phase (s)", "last step (ms)", "busy (ms)", "busy ratio",
-            "busy ratio, recent", "stalled", "latest stall", "recording", "watchdog (s)", "flush (s)",
+    head = ("rank", "host", "step", "phase", "in phase (s)", "last step (ms)", "busy (ms)", "busy share",
+            "busy share, recent", "stalled", "latest stall", "recording", "watchdog (s)", "flush (s)",
             "steps written", "problems")  # fmt: skip
     out.append("<h2>Ranks</h2><table class='sw'><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>")
     for r in view["ranks"]:
@@ -356,7 +357,7 @@ def render_page(view: Mapping[str, Any], error: str | None = None) -> str:
         cells = [
             _cell(r["rank"]), _cell(s.get("host")), _cell(s.get("step")), _cell(s.get("phase")),
             _cell(s.get("phase_s"), "{:.1f}"), _ms(latest.get("step_s")), _ms(latest.get("busy_s")),
-            _cell(latest.get("busy_ratio"), "{:.2f}"), _cell(recent.get("busy_ratio_median"), "{:.2f}"),
+            _cell(latest.get("busy_share"), "{:.2f}"), _cell(recent.get("busy_share_median"), "{:.2f}"),
             "<span class='bad'>yes</span>" if stall.get("stalled") else "no", _cell(text), _cell(recording),
             watchdog, _cell(st.get("flush_interval_s")), _cell((s.get("stats") or {}).get("steps_written")),
             _cell(problems),
