@@ -146,7 +146,7 @@ def test_tensor_parallel_mesh_flags_only_the_slow_rank(tmp_path: Path, capsys: p
     """FSDP2 on dp x DTensor TP on tp (2 x 2): the slow rank's TP partner waits in DTensor's functional
     all-reduce, which passes through no ``torch.distributed`` call; it must not be blamed."""
     args = ("--slow-rank", "3", "--cause", cause) if cause else ()
-    run, df = run_job(tmp_path, "tp", *args, nproc=4, steps=28)
+    run, df = run_job(tmp_path, "tp", "--pin-peers", "2", *args, nproc=4, steps=28)
     r = report(run, capsys)
     if cause is None:
         assert r["stragglers"] == [] and r["busy_unavailable"] == [], r["stragglers"]
@@ -167,7 +167,8 @@ def test_compiled_tensor_parallel_partner_is_cleared_by_arrival_order(tmp_path: 
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """Compiled, DTensor's collectives are waited on in C++: no bracket sees the partner's wait, the step
     log counts it as busy, and PyTorch's record of the collectives shows it was waiting."""
-    run, df = run_job(tmp_path, "tp", "--compile-tp", "--slow-rank", "3", "--cause", "compute", nproc=4, steps=28)
+    run, df = run_job(tmp_path, "tp", "--pin-peers", "2", "--compile-tp", "--slow-rank", "3", "--cause", "compute",
+                      nproc=4, steps=28)  # fmt: skip
     r = report(run, capsys)
     assert [(s["rank"], s["cause"]) for s in r["stragglers"]] == [(3, "compute")], r["stragglers"]
     assert [c["rank"] for c in r["arrivals"]["cleared"]] == [2], r["arrivals"]

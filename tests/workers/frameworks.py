@@ -406,9 +406,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--role", help="pipeline: attach's role=, '{stage}' the stage index (default: from the stage)")
     p.add_argument("--trainer-logs", help="Lightning/HF: log to the trainer's loggers, written under this dir")
     p.add_argument("--manual", action="store_true", help="Lightning: manual optimization")
+    p.add_argument("--pin-peers", type=int, default=0, metavar="K",
+                   help="pin each rank to the CPUs of its peer group (rank mod K): peers then share their CPUs, "
+                   "so that how the scheduler spreads more ranks than cores over them slows no rank alone")  # fmt: skip
     args = p.parse_args(argv)
     args.nproc = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(1)
+    if args.pin_peers and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        group = int(os.environ.get("RANK", "0")) % args.pin_peers
+        mine = [c for i, c in enumerate(cpus) if i % args.pin_peers == group] or cpus
+        os.sched_setaffinity(0, mine)
     if args.framework in ("fsdp2", "fsdp1", "compile", "tp", "pipeline"):  # the others init the process group
         dist.init_process_group("gloo")
     rank = int(os.environ.get("RANK", "0"))
