@@ -25,7 +25,8 @@ from stragglerwatch.record.simulate import Injection, SimConfig, write_run
 from stragglerwatch.record.steplog import load_run
 
 #: The functions whose cumulative time the profile prints (the fit, the adjustment, the detection passes).
-WATCHED = ("fit", "adjust", "assess", "_robust_slopes", "_flag", "basis", "verdict")
+WATCHED = ("measure", "_als", "ranks_slope", "steps_level", "ranks_cut", "steps_rowmed", "model", "assess",
+           "adjust", "_flag", "basis", "verdict")
 
 
 def without_work(mat: StepMatrix) -> StepMatrix:

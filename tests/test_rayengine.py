@@ -82,6 +82,25 @@ def test_ray_gives_the_local_report(tmp_path, cluster, monkeypatch):
     assert on_ray == local
 
 
+@pytest.mark.parametrize("mode", ["variable", "static"])
+def test_ray_gives_the_local_report_on_variable_work(tmp_path, cluster, monkeypatch, mode):
+    """Work recorded per step (tokens): the work fit, the adjusted detection and the imbalance verdict run in
+    rounds over the same slices on both engines (a compute straggler hidden in heavy batches, a data one)."""
+    monkeypatch.setattr(consistency, "BLOCK_RECORDS", 400 * 5)  # 4 rank blocks
+    monkeypatch.setattr(rayengine, "PART_RECORDS", 16 * 70)  # 6 step parts
+    run = tmp_path / "run"
+    write_run(run, SimConfig(ranks=16, steps=400, seed=5, tokens=4096, token_mode=mode, heavy_rank=2,
+                             injections=[Injection(6, 0.2, 150, "compute"), Injection(11, 0.2, 100, "data")]))  # fmt: skip
+    local = _report(analyze_run(run))
+    assert sorted((s["rank"], s["cause"]) for s in local["stragglers"]) == [(6, "compute"), (11, "data")]
+    im = local["imbalance"]
+    assert im is not None and im["detected"] and im["unit"] == "tokens" and im["lost_seconds"] > 0
+    assert (im["heaviest_ranks"][:1] == [2]) == (mode == "static")
+    on_ray = _report(rayengine.analyze_on_ray(run, address=cluster))
+    assert on_ray["imbalance"] == local["imbalance"]
+    assert on_ray == local
+
+
 def test_cli_engine_ray_at_an_address(tmp_path, cluster):
     run = tmp_path / "run"
     write_run(run, SimConfig(ranks=8, steps=300, seed=3, injections=[Injection(6, 0.2, 100, "data")]))

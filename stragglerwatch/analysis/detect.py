@@ -21,8 +21,9 @@ Design (docs/analysis.md, "How detection works"):
 8. Load imbalance (``imbalance.py``): where the records carry the work of each step, steps 2-6 run on
    work-adjusted times (what each rank would have taken for the step's median work), so a rank is
    judged by its time per unit of work, never by the batches it drew; the imbalance's own cost is
-   the verdict's ``imbalance``, and, once detected, part of the job's time lost. The slopes are
-   fitted again without the flagged ranks, and the flags found again, once a first pass flagged any.
+   the verdict's ``imbalance``, and, once detected, part of the job's time lost. The healthy slopes
+   are taken again without the flagged ranks (their own slopes are not fitted again), and the flags
+   found again, once a first pass flagged any.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ import numpy as np
 import pandas as pd
 
 from stragglerwatch.analysis import imbalance as imb
+from stragglerwatch.analysis import workfit
 from stragglerwatch.analysis.attempts import cut_indices
 from stragglerwatch.analysis.consistency import AT_CLASSIC
 from stragglerwatch.analysis.consistency import flags as consistency_flags
 from stragglerwatch.analysis.cost import cost_in_turn
 from stragglerwatch.analysis.episodes import spells
+from stragglerwatch.analysis.rounds import Whole
 from stragglerwatch.analysis.stages import (
     CAUSES,
     Groups,
@@ -249,11 +252,13 @@ def detect(
     g = Groups.of(mat.ranks, groups)
     chosen = imb.basis(mat.values, mat.work_unit)
     raw, unit, column = chosen if chosen is not None else (mat.values, "", "work")
-    model = imb.fit(raw, g) if chosen is not None else None
+    rounds = Whole(raw)
+    measured = workfit.measure(rounds, g) if chosen is not None else None
+    model = imb.model(rounds, g, measured) if measured is not None else None
     values = imb.adjust(raw, model, g) if model is not None else raw
     flagged = _flag(values, g, cfg)
-    if model is not None and flagged[0].any():  # the healthy slopes again, from the ranks never flagged
-        model = imb.fit(raw, g, healthy=~flagged[0].any(axis=0))
+    if measured is not None and flagged[0].any():  # the healthy slopes again, from the ranks never flagged
+        model = imb.model(rounds, g, measured, healthy=~flagged[0].any(axis=0))
         values = imb.adjust(raw, model, g)
         flagged = _flag(values, g, cfg)
     flags, thresholds, excess, stats, classic = flagged
@@ -273,12 +278,23 @@ def detect(
     result = verdict(mat.ranks, mat.steps, found, stats, health, g, cfg, thresholds, slowdown, flags, cuts)
     result.healthy = never & g.paired()
     if model is not None:
-        im = result.imbalance = imb.assess(raw, model, g, flags.any(axis=0), mat.ranks, result.job_seconds,
-                                           cfg.imbalance_min_slowdown, unit, column)  # fmt: skip
-        if im.detected and im.lost_seconds:  # the job's ideal has neither stragglers nor unequal work
-            result.lost_seconds = min(result.job_seconds, result.lost_seconds + im.lost_seconds)
-            result.ideal_seconds = result.job_seconds - result.lost_seconds
+        im = result.imbalance = imb.assess(rounds, model, g, straggling(result, mat.ranks), mat.ranks,
+                                           result.job_seconds, cfg.imbalance_min_slowdown, unit, column)  # fmt: skip
+        add_imbalance(result, im)
     return result
+
+
+def add_imbalance(result: Verdict, im: imb.Imbalance) -> None:
+    """A detected imbalance's cost is part of the job's time lost: its ideal has neither stragglers nor unequal work."""
+    if im.detected and im.lost_seconds:
+        result.lost_seconds = min(result.job_seconds, result.lost_seconds + im.lost_seconds)
+        result.ideal_seconds = result.job_seconds - result.lost_seconds
+
+
+def straggling(result: Verdict, ranks: np.ndarray) -> np.ndarray:
+    """Per rank: flagged somewhere in the verdict (a straggler or a minor one): the imbalance's cost uses its
+    own slope."""
+    return np.isin(ranks, [s.rank for s in (*result.stragglers, *result.minor)])
 
 
 def _flag(values: dict[str, np.ndarray], g: Groups, cfg: DetectConfig

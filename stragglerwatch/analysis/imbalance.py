@@ -10,8 +10,10 @@ with a two-way model with a slope per rank::
 ``c`` takes what moves every rank in a step, ``g`` a rank's constant offset (a data straggler's
 extra wait), ``b`` what one more unit of work costs on that rank (a compute straggler's is
 larger: it is slow *per unit of work*). The slopes come from how each rank's time follows its own
-work across steps, so a rank is never judged by the size of the batches it drew. The fit is
-alternating least squares, with one round that drops outlying cells (stalls, spikes).
+work across steps, so a rank is never judged by the size of the batches it drew. The fit
+(``workfit.py``) is alternating least squares in rounds over the steps and the ranks, with a refit
+without outlying cells (stalls, spikes); every figure here is computed in the same rounds
+(``rounds.py``), so the local engine and Ray give the same verdict.
 
 The *healthy slope* of a phase is the median of its ranks' slopes (the lower median while no rank
 is known healthy, since stragglers only raise slopes; then the median of the ranks never flagged).
@@ -21,8 +23,9 @@ rank slow for the same work keeps its excess.
 
 Cost (what-if, as for stragglers): had every rank of a group been given the step's mean work, a
 rank's busy time would have been its fitted time at the mean work plus its deviation from the fit,
-scaled by the ratio of its fitted times at the mean and at its own work as far as the run's
-deviations grow with the fitted time (measured: :func:`_proportional`; spikes judged apart), and
+scaled by the ratio of its fitted times at the mean and at its own work as far as the ranks'
+deviations grow with their fitted time (measured per rank, the median taken: :func:`_elasticity`;
+spikes judged apart, pooled: :func:`_proportional`), and
 the step would have ended when the slowest of those did. The imbalance cost is the sum over steps of
 the largest busy time minus the largest of those (a step where the slowest rank drew a light batch
 counts against it), and its slowdown is ``S = T / (T - cost)``.
@@ -35,10 +38,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from stragglerwatch.analysis import workfit
+from stragglerwatch.analysis.rounds import Rounds, Whole, joined
 from stragglerwatch.analysis.stages import Groups, nanmedian
+from stragglerwatch.analysis.workfit import ADJUSTED
 
-#: The columns adjusted for work: the phases busy time is made of, then busy time itself.
-ADJUSTED = ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "other_s", "busy_s")
+__all__ = ["ADJUSTED", "Imbalance", "WorkModel", "adjust", "advice", "assess", "basis", "fit", "model"]
 #: Steps with work on at least two ranks of a group needed to fit anything.
 MIN_STEPS = 8
 #: Binomial deviations above its fair share of steps a rank must draw the heaviest work in to be named.
@@ -47,9 +52,6 @@ HEAVY_Z = 4.0
 #: what-if keeps them as they were instead of scaling them with the work).
 SPIKE = 8.0
 MIN_SPIKES = 30
-#: A rank whose work varies across steps by less than this fraction of the spread across ranks
-#: tells nothing by its own slope (a static heavy shard): the slopes then come from across ranks.
-STATIC = 0.1
 
 
 @dataclass
@@ -78,6 +80,8 @@ class WorkModel:
     slopes: dict[str, np.ndarray]  # column -> per rank (NaN: not identified)
     healthy: dict[str, np.ndarray]  # column -> per group
     steps: int
+    ref: np.ndarray  # steps x groups: the group's median work in the step (times are adjusted to it)
+    measured: workfit.Measured
 
 
 def usable(work: np.ndarray | None) -> bool:
@@ -105,36 +109,59 @@ def uneven(values: dict[str, np.ndarray]) -> bool:
 
 #: How much more of the busy spread the padded shape must explain than the counted work to be used.
 SHAPE_MARGIN = 0.05
+WORK_COLUMNS = ("work", "work_elements")
 
 
-def _follows(busy: np.ndarray, w: np.ndarray) -> float:
-    """Squared correlation of busy time with work across the ranks of each step (pooled)."""
-    ok = np.isfinite(busy) & np.isfinite(w)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        b, x = np.where(ok, busy, np.nan), np.where(ok, w, np.nan)
-        db, dx = b - np.nanmean(b, axis=1)[:, None], x - np.nanmean(x, axis=1)[:, None]
-    sxy, sxx, syy = (float(np.nansum(a)) for a in (db * dx, dx * dx, db * db))
-    return sxy * sxy / (sxx * syy) if sxx > 0 and syy > 0 else 0.0
+def steps_basis(values: dict[str, np.ndarray], rows: slice, cols: slice) -> dict[str, np.ndarray]:
+    """A step round: per step and count of the work, whether two ranks or more recorded it, the terms of
+    the squared correlation of busy time with it across the ranks, and whether the two counts agree."""
+    busy = values["busy_s"]
+    out: dict[str, np.ndarray] = {}
+    for name in WORK_COLUMNS:
+        w = values.get(name)
+        if w is None:
+            w = np.full(busy.shape, np.nan)
+        out[f"{name}:usable"] = np.isfinite(w).sum(axis=1) >= 2
+        ok = np.isfinite(busy) & np.isfinite(w)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            b, x = np.where(ok, busy, np.nan), np.where(ok, w, np.nan)
+            db, dx = b - np.nanmean(b, axis=1)[:, None], x - np.nanmean(x, axis=1)[:, None]
+            out[f"{name}:sxy"], out[f"{name}:sxx"], out[f"{name}:syy"] = (
+                np.nansum(v, axis=1) for v in (db * dx, dx * dx, db * db))  # fmt: skip
+    w, e = values.get("work"), values.get("work_elements")
+    same = np.isnan(w) & np.isnan(e) | (w == e) if w is not None and e is not None else np.zeros(busy.shape, bool)
+    out["same"] = same.all(axis=1)
+    return out
 
 
 #: What :func:`basis` returns: the values with the fitted work as ``work``, its unit, its column.
 Basis = tuple[dict[str, np.ndarray], str, str]
 
 
+def choose(rows: dict[str, np.ndarray], unit: str) -> tuple[str, str] | None:
+    """From :func:`steps_basis` over every step: the column the analysis fits and its unit, or None without
+    any: the counted work, or the input's padded shape (``work_elements``) where busy time follows that
+    clearly better (dynamic padding: the compute runs over the padding too)."""
+
+    def follows(name: str) -> float:
+        sxy, sxx, syy = (float(rows[f"{name}:{k}"].sum()) for k in ("sxy", "sxx", "syy"))
+        return sxy * sxy / (sxx * syy) if sxx > 0 and syy > 0 else 0.0
+
+    counted = int(rows["work:usable"].sum()) >= MIN_STEPS
+    shape = int(rows["work_elements:usable"].sum()) >= MIN_STEPS and not (counted and bool(rows["same"].all()))
+    if shape and (not counted or follows("work_elements") > follows("work") + SHAPE_MARGIN):
+        return "work_elements", "padded tokens" if unit == "tokens" else "padded elements"
+    return ("work", unit) if counted else None
+
+
 def basis(values: dict[str, np.ndarray], unit: str) -> Basis | None:
-    """The work the analysis fits (``values`` with it as ``work``), its unit and the record's column
-    it came from, or None without any: the counted work, or the input's padded shape
-    (``work_elements``) where busy time follows that clearly better (dynamic padding: the compute
-    runs over the padding too)."""
-    work, shape = values.get("work"), values.get("work_elements")
-    counted = usable(work)
-    if shape is not None and usable(shape) and not (counted and np.array_equal(work, shape, equal_nan=True)):
-        busy = values["busy_s"]
-        if not counted or _follows(busy, shape) > _follows(busy, work) + SHAPE_MARGIN:
-            padded = "padded tokens" if unit == "tokens" else "padded elements"
-            return {**values, "work": shape}, padded, "work_elements"
-    return (values, unit, "work") if counted else None
+    """:func:`choose` on a whole steps x ranks ``values``: the values with the chosen work as ``work``."""
+    chosen = choose(joined(Whole(values).by_steps(steps_basis)), unit)
+    if chosen is None:
+        return None
+    column, unit = chosen
+    return {**values, "work": values[column]}, unit, column
 
 
 def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -142,102 +169,38 @@ def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.where(b > 0, a / np.where(b > 0, b, 1.0), np.nan)
 
 
-def _rank_slopes(y: np.ndarray, w: np.ndarray, ok: np.ndarray, iters: int = 40) -> np.ndarray:
-    """Each column's slope of ``y`` on ``w`` in the two-way model, over the cells ``ok``."""
-    yz, wz, m = np.where(ok, y, 0.0), np.where(ok, w, 0.0), ok.astype(float)
-    n = m.sum(axis=0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        c = np.nan_to_num(nanmedian(np.where(ok, y, np.nan), axis=1))
-        wm = wz.sum(axis=0) / n
-        dw = (wz - wm) * m
-        sxx = (dw * dw).sum(axis=0)
-        beta = np.full(y.shape[1], np.nan)
-        for _ in range(iters):
-            r = (yz - c[:, None]) * m
-            rm = r.sum(axis=0) / n
-            new = np.where(sxx > 0, (dw * (r - rm)).sum(axis=0) / np.where(sxx > 0, sxx, 1.0), np.nan)
-            b = np.where(np.isfinite(new), new, np.nanmedian(new) if np.isfinite(new).any() else 0.0)
-            g = np.nan_to_num(rm - b * wm)
-            per_step = m.sum(axis=1)
-            c_new = np.where(per_step > 0, ((yz - g - b * wz) * m).sum(axis=1) / np.maximum(per_step, 1), c)
-            done = np.allclose(new, beta, rtol=1e-4, atol=1e-15, equal_nan=True)
-            beta, c = new, c_new
-            if done:
-                break
-    return beta
-
-
-def _robust_slopes(y: np.ndarray, w: np.ndarray, ok: np.ndarray) -> np.ndarray:
-    """:func:`_rank_slopes`, then again without the cells far off the fit (stalls, spikes)."""
-    beta = _rank_slopes(y, w, ok)
-    b = np.nan_to_num(beta, nan=float(np.nanmedian(beta)) if np.isfinite(beta).any() else 0.0)
-    r = np.where(ok, y - b * w, np.nan)
-    r = r - nanmedian(r, axis=1)[:, None]
-    r = r - nanmedian(r, axis=0)[None, :]
-    mad = float(np.nanmedian(np.abs(r))) if np.isfinite(r).any() else 0.0
-    if mad > 0:
-        keep = ok & (np.abs(np.nan_to_num(r)) <= 6.0 * 1.4826 * mad)
-        if keep.sum() >= 0.5 * ok.sum():
-            beta = _rank_slopes(y, w, keep)
-    return beta
-
-
-def _pooled_slope(y: np.ndarray, w: np.ndarray, ok: np.ndarray) -> float:
-    """One slope from the differences across ranks within each step (step effects only)."""
-    yc = np.where(ok, y, np.nan)
-    wc = np.where(ok, w, np.nan)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        dy = yc - np.nanmean(yc, axis=1)[:, None]
-        dw = wc - np.nanmean(wc, axis=1)[:, None]
-    sxx = float(np.nansum(dw * dw))
-    return float(np.nansum(dw * dy)) / sxx if sxx > 0 else float("nan")
-
-
-def _is_static(w: np.ndarray, ok: np.ndarray) -> bool:
-    """Work hardly varies within each rank across steps, compared with across ranks."""
-    wc = np.where(ok, w, np.nan)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        within = float(np.nanmean(np.nanvar(wc, axis=0)))
-        across = float(np.nanmean(np.nanvar(wc, axis=1)))
-    return not within > STATIC * across and across > 0
-
-
-def fit(values: dict[str, np.ndarray], groups: Groups, healthy: np.ndarray | None = None) -> WorkModel:
-    """The work model of every :data:`ADJUSTED` column. ``healthy``: per rank, known healthy (None:
-    none known yet, the lower median of the slopes is the healthy one)."""
-    w = values["work"]
-    ok_all = np.isfinite(w) & np.isfinite(values["busy_s"])
-    ok_all &= (ok_all.sum(axis=1) >= 2)[:, None]
-    steps = int(ok_all.any(axis=1).sum())
-    slopes = {c: np.full(w.shape[1], np.nan) for c in ADJUSTED}
+def model(rounds: Rounds, groups: Groups, measured: workfit.Measured, healthy: np.ndarray | None = None
+          ) -> WorkModel:  # fmt: skip
+    """The work model: each rank's slope, and each group's healthy slope, the median of its ranks' (the lower
+    median while no rank is known healthy, ``healthy`` None: stragglers only raise slopes; else the median
+    of the ``healthy`` ranks'). A static group's slope is pooled over its healthy ranks (a step round)."""
+    slopes = {c: v.copy() for c, v in measured.slopes.items()}
     healthy_slope = {c: np.zeros(len(groups.members)) for c in ADJUSTED}
+    pick = np.ones(len(groups.index), dtype=bool) if healthy is None else healthy.astype(bool).copy()
+    for idx in groups.members:
+        if not pick[idx].any():
+            pick[idx] = True
+    static = workfit.pooled(rounds, groups, measured, pick) if measured.static.any() else {}
     for gi, idx in enumerate(groups.members):
-        if len(idx) < 2:
+        if not measured.fitted[gi]:
             continue
-        ok, wg = ok_all[:, idx], w[:, idx]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            if not np.any(np.nanmax(np.where(ok, wg, np.nan), axis=1) > np.nanmin(np.where(ok, wg, np.nan), axis=1)):
-                continue  # the same work on every rank of every step: nothing to fit, no imbalance
-        group_static = _is_static(wg, ok)
-        chosen = idx if healthy is None else [j for j in idx if healthy[j]] or list(idx)
-        pick = np.isin(idx, chosen)
         for c in ADJUSTED:
-            y = np.nan_to_num(values[c][:, idx].astype(np.float64)) if c != "busy_s" else values[c][:, idx]
-            cell_ok = ok & np.isfinite(y)
-            if group_static:
-                s = _pooled_slope(y, wg, cell_ok & pick[None, :])
+            if measured.static[gi]:
+                s = static[c][gi]
                 slopes[c][idx] = s
                 healthy_slope[c][gi] = s if np.isfinite(s) else 0.0
                 continue
-            beta = _robust_slopes(y, wg, cell_ok)
-            slopes[c][idx] = beta
-            known = np.sort(beta[pick][np.isfinite(beta[pick])])
+            beta = slopes[c][idx]
+            known = np.sort(beta[pick[idx] & np.isfinite(beta)])
             if known.size:
                 healthy_slope[c][gi] = known[(known.size - 1) // 2] if healthy is None else float(np.median(known))
-    return WorkModel(slopes, healthy_slope, steps)
+    return WorkModel(slopes, healthy_slope, measured.steps, measured.ref, measured)
+
+
+def fit(values: dict[str, np.ndarray], groups: Groups, healthy: np.ndarray | None = None) -> WorkModel:
+    """:func:`model` of a whole steps x ranks ``values`` (``work``: the fitted work)."""
+    rounds = Whole(values)
+    return model(rounds, groups, workfit.measure(rounds, groups), healthy)
 
 
 def step_reference(w: np.ndarray, groups: Groups, how: str = "median") -> np.ndarray:
@@ -251,72 +214,137 @@ def step_reference(w: np.ndarray, groups: Groups, how: str = "median") -> np.nda
     return ref
 
 
-def adjust(values: dict[str, np.ndarray], model: WorkModel, groups: Groups) -> dict[str, np.ndarray]:
-    """``values`` with every :data:`ADJUSTED` column as it would be for the step's median work."""
-    w = values["work"]
-    dw = np.nan_to_num(w - step_reference(w, groups))
+def adjust(values: dict[str, np.ndarray], model: WorkModel, groups: Groups, rows: slice = slice(None),
+           cols: slice = slice(None)) -> dict[str, np.ndarray]:  # fmt: skip
+    """``values`` (the run's ``rows`` and ``cols``; the fitted work as ``work``) with every :data:`ADJUSTED`
+    column as it would be for the step's median work."""
+    gidx = groups.index[cols]
+    dw = np.nan_to_num(values["work"] - model.ref[rows][:, gidx])
     out = dict(values)
     for c in ADJUSTED:
-        slope = model.healthy[c][groups.index][None, :]
+        slope = model.healthy[c][gidx][None, :]
         col = values[c].astype(np.float64) - slope * dw
         out[c] = np.maximum(col, 0.0) if c != "busy_s" else np.where(np.isnan(values[c]), np.nan, col)
     return out
 
 
-def assess(values: dict[str, np.ndarray], model: WorkModel, groups: Groups, flagged: np.ndarray, ranks: np.ndarray,
-           job_seconds: float, min_slowdown: float, unit: str = "", column: str = "work") -> Imbalance:  # fmt: skip
-    """The imbalance verdict: its cost (what-if: equal work per step), the share of the busy spread
-    work explains, the heaviest ranks. ``flagged``: per rank, a straggler somewhere (its own slope
-    is used for it, the healthy one for the others)."""
+def ranks_terms(values: dict[str, np.ndarray], rows: slice, cols: slice, slope: np.ndarray
+                ) -> dict[str, np.ndarray]:  # fmt: skip
+    """A rank round: per rank, the intercept of its fit (its median of ``busy - slope * work``), the bound of
+    its typical deviations from the fit (``SPIKE`` robust deviations) and how far they grow with its fitted
+    time (:func:`_elasticity`); the fitted time and size of the deviations beyond the bound (spikes)."""
     w, busy = values["work"], values["busy_s"]
     ok = np.isfinite(w) & np.isfinite(busy)
-    healthy = model.healthy["busy_s"][groups.index]
-    own = model.slopes["busy_s"]
-    slope = np.where(flagged & np.isfinite(own), own, healthy)[None, :]
+    b = slope[cols][None, :]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        intercept = nanmedian(np.where(ok, busy - b * w, np.nan), axis=0)
+        own = intercept[None, :] + b * w
+        dev = np.where(ok, busy - own, 0.0)
+        bound = SPIKE * 1.4826 * nanmedian(np.where(ok, np.abs(dev), np.nan), axis=0)
+        typical = np.clip(dev, -np.nan_to_num(bound), np.nan_to_num(bound))
+    tail = dev - typical
+    spikes = ok & (tail != 0)
+    return {"intercept": intercept, "bound": bound, "share": _elasticity(np.abs(typical), own, ok),
+            "spike_own": own[spikes], "spike_size": np.abs(tail[spikes])}  # fmt: skip
+
+
+def steps_cost(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups, slope: np.ndarray,
+               terms: dict[str, np.ndarray], share: float, tail_share: float) -> dict[str, np.ndarray]:  # fmt: skip
+    """A step round: per step, the busiest rank's busy time as it was and as it would have been with the
+    step's mean work on every rank (:func:`_even_busy`); the terms of the share of the busy spread that work
+    explains; the work's spread, its heaviest rank and its range."""
+    w, busy = values["work"], values["busy_s"]
+    ok = np.isfinite(w) & np.isfinite(busy)
+    rows2 = ok.sum(axis=1) >= 2
     mean_w = step_reference(w, groups, "mean")
-    dw = np.where(ok, w - mean_w, 0.0)
+    b = slope[None, :]
     real = np.where(ok, busy, -np.inf)
-    even = np.where(ok, _even_busy(busy, w, mean_w, slope, ok), -np.inf)
-    rows = ok.sum(axis=1) >= 2
+    even = np.where(ok, _even_busy(busy, w, mean_w, b, ok, terms, share, tail_share), -np.inf)
+    used = ok & rows2[:, None]
+    dw = np.where(ok, w - mean_w, 0.0)
+    bv = np.where(used, busy, np.nan)
+    wv = np.where(used, w, np.nan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        db = bv - step_reference(bv, groups, "mean")
+        mean = np.nanmean(wv, axis=1)
+        top_w, low_w = np.nanmax(wv, axis=1), np.nanmin(wv, axis=1)
+    empty = np.zeros(len(busy))
+    return {"real": real.max(axis=1) if busy.size else empty, "even": even.max(axis=1) if busy.size else empty,
+            "rows": rows2, "total": np.nansum(db * db, axis=1), "resid": np.nansum((db - b * dw) ** 2 * used, axis=1),
+            "spread": _ratio(top_w - mean, mean), "varies": top_w > low_w, "any": used.any(axis=1),
+            "top": np.argmax(np.where(used, w, -np.inf), axis=1) if busy.size else empty.astype(np.int64),
+            "max": np.where(used, w, -np.inf).max(axis=1) if busy.size else empty,
+            "min": np.where(used, w, np.inf).min(axis=1) if busy.size else empty}  # fmt: skip
+
+
+def assess(rounds: Rounds, model: WorkModel, groups: Groups, flagged: np.ndarray, ranks: np.ndarray,
+           job_seconds: float, min_slowdown: float, unit: str = "", column: str = "work") -> Imbalance:  # fmt: skip
+    """The imbalance verdict: its cost (what-if: equal work per step), the share of the busy spread work
+    explains, the heaviest ranks. ``flagged``: per rank, a straggler somewhere (its own slope is used for
+    it, the healthy one for the others). ``rounds`` reach the values, with the fitted work as ``work``."""
+    own = model.slopes["busy_s"]
+    slope = np.where(flagged & np.isfinite(own), own, model.healthy["busy_s"][groups.index])
+    terms = joined(rounds.by_ranks(ranks_terms, slope))
+    known = terms["share"][np.isfinite(terms["share"])]
+    share = float(np.median(known)) if known.size else 0.0
+    n_spikes = terms["spike_own"].size
+    tail_share = (_proportional(terms["spike_size"], terms["spike_own"], np.ones(n_spikes, dtype=bool))
+                  if n_spikes >= MIN_SPIKES else 0.0)  # fmt: skip
+    st = joined(rounds.by_steps(steps_cost, groups, slope, terms, share, tail_share))
     # per step it may be negative (the slowest rank drew a light batch: even work would have been slower)
-    cost = real.max(axis=1) - even.max(axis=1) if busy.size else np.zeros(0)
-    lost = max(0.0, float(cost[rows].sum()))
-    explained = _explained(busy, dw, slope, ok & rows[:, None], groups)
+    lost = max(0.0, float((st["real"] - st["even"])[st["rows"]].sum()))
+    total = float(st["total"].sum())
+    explained = min(1.0, max(0.0, 1.0 - float(st["resid"].sum()) / total)) if total > 0 else None
     per_unit = float(np.median(model.healthy["busy_s"]))
-    spread, heaviest, share = _spread(w, ok & rows[:, None], ranks)
+    spread, heaviest, top_share = _spread(st, ranks)
     slowdown = job_seconds / (job_seconds - lost) if job_seconds > lost > 0 else (1.0 if lost == 0 else None)
     detected = slowdown is not None and slowdown >= 1.0 + min_slowdown and per_unit > 0
     phases = {c.removesuffix("_s"): float(np.median(model.healthy[c])) for c in ADJUSTED if c != "busy_s"}
+    seen = st["any"]
+    varies = bool(seen.any() and st["max"][seen].max() > st["min"][seen].min())
     return Imbalance(unit=unit, steps=model.steps, detected=bool(detected), lost_seconds=lost,
                      slowdown=slowdown, explained=explained, seconds_per_unit=per_unit, work_spread=spread,
-                     heaviest_ranks=heaviest, heaviest_share=share, phase_seconds_per_unit=phases,
-                     column=column,
-                     varies=bool(ok.any() and np.nanmax(w[ok]) > np.nanmin(w[ok])))  # fmt: skip
+                     heaviest_ranks=heaviest, heaviest_share=top_share, phase_seconds_per_unit=phases,
+                     column=column, varies=varies)  # fmt: skip
 
 
-def _even_busy(busy: np.ndarray, w: np.ndarray, mean_w: np.ndarray, slope: np.ndarray, ok: np.ndarray
-               ) -> np.ndarray:  # fmt: skip
+def _even_busy(busy: np.ndarray, w: np.ndarray, mean_w: np.ndarray, slope: np.ndarray, ok: np.ndarray,
+               terms: dict[str, np.ndarray], share: float, tail_share: float) -> np.ndarray:  # fmt: skip
     """Per cell, a rank's busy time had it been given the step's mean work: its fitted time at the
     mean work (``intercept + slope * work``, the intercept its median of ``busy - slope * work``) plus
-    its deviation from the fit, scaled as far as the run's deviations grow with the fitted time
-    (:func:`_proportional`): noise that multiplies a rank's compute (a slow moment) scales with the
-    work it would have had, noise that does not (an OS hiccup) stays. The part of a deviation beyond
-    ``SPIKE`` robust deviations of its rank (a stall, a slow excursion) is judged the same way apart,
-    from those parts alone (kept as it was with fewer than ``MIN_SPIKES`` of them)."""
+    its deviation from the fit, scaled as far as the ranks' deviations grow with their fitted time
+    (``share``): noise that multiplies a rank's compute (a slow moment) scales with the work it would
+    have had, noise that does not (an OS hiccup) stays. The part of a deviation beyond its rank's
+    ``SPIKE`` robust deviations (a stall, a slow excursion) is judged the same way apart (``tail_share``,
+    from those parts alone, pooled over the ranks; kept as it was with fewer than ``MIN_SPIKES`` of them)."""
+    intercept, bound = terms["intercept"][None, :], terms["bound"][None, :]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        intercept = np.nanmedian(np.where(ok, busy - slope * w, np.nan), axis=0)[None, :]
         own, even = intercept + slope * w, intercept + slope * mean_w
         ratio = np.where(ok & (own > 0) & (even > 0), even / np.where(own > 0, own, 1.0), 1.0)
         ratio = np.clip(np.nan_to_num(ratio, nan=1.0), 0.0, 10.0)
         dev = np.where(ok, busy - own, 0.0)
-        bound = SPIKE * 1.4826 * np.nanmedian(np.where(ok, np.abs(dev), np.nan), axis=0)[None, :]
         typical = np.clip(dev, -np.nan_to_num(bound), np.nan_to_num(bound))
     tail = dev - typical
-    share = _proportional(np.abs(typical), own, ok)
-    spikes = ok & (tail != 0)
-    tail_share = _proportional(np.abs(tail), own, spikes) if int(spikes.sum()) >= MIN_SPIKES else 0.0
     return even + typical * (1.0 + share * (ratio - 1.0)) + tail * (1.0 + tail_share * (ratio - 1.0))
+
+
+def _elasticity(size: np.ndarray, own: np.ndarray, ok: np.ndarray) -> np.ndarray:
+    """Per column (rank), :func:`_proportional` of its cells: NaN where its fitted time hardly varies (it
+    cannot tell), 0 where its deviations are nil."""
+    x, y = np.where(ok, own, np.nan), np.where(ok, size, np.nan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        high = ok & (x > nanmedian(x, axis=0)[None, :])
+        low = ok & ~high
+        x_hi, x_lo = nanmedian(np.where(high, x, np.nan), axis=0), nanmedian(np.where(low, x, np.nan), axis=0)
+        y_hi, y_lo = nanmedian(np.where(high, y, np.nan), axis=0), nanmedian(np.where(low, y, np.nan), axis=0)
+        tells = (ok.sum(axis=0) >= 4) & high.any(axis=0) & low.any(axis=0) & (x_lo > 0) & (x_hi > 1.01 * x_lo)
+        grows = (y_lo > 0) & (y_hi > 0)
+        e = np.clip(np.log(y_hi / np.where(grows, y_lo, 1.0)) / np.log(x_hi / np.where(tells, x_lo, 1.0)), 0.0, 1.0)
+    return np.where(tells, np.where(grows, e, 0.0), np.nan)
 
 
 def _proportional(size: np.ndarray, own: np.ndarray, ok: np.ndarray) -> float:
@@ -336,40 +364,23 @@ def _proportional(size: np.ndarray, own: np.ndarray, ok: np.ndarray) -> float:
     return float(np.clip(np.log(y_hi / y_lo) / np.log(x_hi / x_lo), 0.0, 1.0))
 
 
-def _explained(busy: np.ndarray, dw: np.ndarray, slope: np.ndarray, ok: np.ndarray, groups: Groups) -> float | None:
-    """1 - residual / total spread of busy time across the ranks of each step."""
-    b = np.where(ok, busy, np.nan)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        db = b - step_reference(b, groups, "mean")
-    total = float(np.nansum(db * db))
-    if not total > 0:
-        return None
-    resid = float(np.nansum((db - slope * dw) ** 2 * ok))
-    return float(min(1.0, max(0.0, 1.0 - resid / total)))
-
-
-def _spread(w: np.ndarray, ok: np.ndarray, ranks: np.ndarray) -> tuple[float | None, list[int], float | None]:
+def _spread(st: dict[str, np.ndarray], ranks: np.ndarray) -> tuple[float | None, list[int], float | None]:
     """Median (heaviest - mean) / mean work per step; the ranks heaviest far more often than their share."""
-    rows = ok.any(axis=1)
+    rows = st["any"]
     if not rows.any():
         return None, [], None
-    wv = np.where(ok, w, np.nan)[rows]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        mean = np.nanmean(wv, axis=1)
-        spread = float(np.nanmedian(_ratio(np.nanmax(wv, axis=1) - mean, mean)))
-    top = np.argmax(np.where(np.isfinite(wv), wv, -np.inf), axis=1)
-    varies = np.nanmax(wv, axis=1) > np.nanmin(wv, axis=1)
-    n, r = int(varies.sum()), w.shape[1]
+    ratios = st["spread"][rows]
+    ratios = ratios[np.isfinite(ratios)]
+    spread = float(np.median(ratios)) if ratios.size else None
+    varies, top = st["varies"][rows], st["top"][rows]
+    n, r = int(varies.sum()), len(ranks)
     counts = np.bincount(top[varies], minlength=r).astype(float)
     fair = 1.0 / max(r, 1)
     # heaviest more often than chance allows (HEAVY_Z binomial deviations) and by a margin
     z = (counts - n * fair) / max(np.sqrt(n * fair * (1.0 - fair)), 1e-12)
     shares = counts / max(n, 1)
     heavy = [int(ranks[j]) for j in np.argsort(-counts) if r >= 2 and z[j] > HEAVY_Z and shares[j] >= 1.5 * fair]
-    share = float(shares.max()) if heavy else None
-    return (spread if np.isfinite(spread) else None), heavy, share
+    return spread, heavy, float(shares.max()) if heavy else None
 
 
 def advice(im: Imbalance) -> list[str]:

@@ -34,11 +34,21 @@ from typing import Any
 
 import numpy as np
 
-from stragglerwatch.analysis import consistency, runmatrix
+from stragglerwatch.analysis import consistency, runmatrix, workfit
+from stragglerwatch.analysis import imbalance as imb
 from stragglerwatch.analysis.attempts import cut_indices, world_cuts
-from stragglerwatch.analysis.detect import StepMatrix, Straggler, straggler, verdict
+from stragglerwatch.analysis.detect import StepMatrix, Straggler, add_imbalance, straggler, straggling, verdict
 from stragglerwatch.analysis.jittertax import host_deviations
-from stragglerwatch.analysis.report import RANK_COLUMNS, Analysis, RankFigures, analyze_run, finish, host_names
+from stragglerwatch.analysis.report import (
+    RANK_COLUMNS,
+    Analysis,
+    RankFigures,
+    analyze_run,
+    finish,
+    host_names,
+    work_medians,
+)
+from stragglerwatch.analysis.rounds import joined
 from stragglerwatch.analysis.stages import (
     Groups,
     HealthyStats,
@@ -55,13 +65,17 @@ from stragglerwatch.analysis.stages import (
     step_stage,
 )
 from stragglerwatch.analysis.thresholds import DetectConfig
+from stragglerwatch.analysis.workfit import ADJUSTED
 from stragglerwatch.record.rundir import read_rank_meta
-from stragglerwatch.record.steplog import RunDirWarning, run_files
+from stragglerwatch.record.schema import GAP_COLUMNS
+from stragglerwatch.record.steplog import RunDirWarning, run_files, work_unit
 
 #: Ranks x steps records of one step part.
 PART_RECORDS = 1 << 22
 SCAN_FILES = 256  # files a scan task reads the footers (or ids) of
-STEP_COLUMNS = ("busy_s", "step_s", "comm_wait_s", "start_time")
+#: What a step part carries of each rank block: the step figures, the phases and the work (adjusted where
+#: the run recorded work, in the task that uses them: ``_values``).
+PIECE_COLUMNS = ("step_s", "comm_wait_s", "start_time", *ADJUSTED, "work", "work_elements", *GAP_COLUMNS)
 
 
 class RayEngineError(Exception):
@@ -89,22 +103,62 @@ def _load(files: list[str], plan: runmatrix.StepPlan, ranks: np.ndarray, parts: 
         "medians": rank_medians(values, RANK_COLUMNS),
         "steps": np.sum(~np.isnan(values["busy_s"]), axis=0),
         "last": last_rows(values["busy_s"]),
+        "work": {c: work_medians(values, c) for c in imb.WORK_COLUMNS if c in values},
     }
-    phases = cause_phases(values)
-    cut = [{**{c: np.ascontiguousarray(values[c][p]) for c in STEP_COLUMNS},
-            "phases": [np.ascontiguousarray(x[p]) for x in phases]} for p in parts]  # fmt: skip
+    shape = values["busy_s"].shape
+    cut = [{c: np.ascontiguousarray(values[c][p]) if c in values else np.full((p.stop - p.start, shape[1]), np.nan)
+            for c in PIECE_COLUMNS} for p in parts]  # fmt: skip
     return (summary, *cut)
 
 
-def _joined(pieces: tuple[dict, ...], column: str) -> np.ndarray:
-    """One step part's column over every rank block (blocks side by side)."""
-    return np.concatenate([p[column] for p in pieces], axis=1)
+def _values(pieces: tuple[dict, ...], axis: int, work: str | None, model: imb.WorkModel | None, groups: Groups,
+            rows: slice, cols: slice) -> dict[str, np.ndarray]:  # fmt: skip
+    """The pieces of a step part (side by side, ``axis`` 1) or of a rank block (one after the other, 0) as
+    one, the fitted work (``work``: its column, None: none) as ``work``, adjusted for it where ``model``."""
+    values = {c: np.concatenate([p[c] for p in pieces], axis=axis) for c in PIECE_COLUMNS}
+    if work is not None:
+        values["work"] = values[work]
+    return imb.adjust(values, model, groups, rows, cols) if model is not None else values
 
 
-def _step(blocks: list[slice], groups: Groups, cfg: DetectConfig, *pieces: dict) -> tuple:
-    busy, step_s = _joined(pieces, "busy_s"), _joined(pieces, "step_s")
-    excess, costly, stats = step_stage(busy, step_s, _joined(pieces, "comm_wait_s"), groups, cfg)
-    start = _joined(pieces, "start_time")
+def _on_rows(fn: Callable[..., Any], rows: slice, n_blocks: int, work: str | None, *rest: Any) -> Any:
+    """A step round of ``rounds.py`` on one step part (``rest``: the round's arguments, then the part's pieces)."""
+    pieces, args = rest[len(rest) - n_blocks :], rest[: len(rest) - n_blocks]
+    values = _values(pieces, 1, work, None, Groups([""], [], np.zeros(0, dtype=np.int64)), rows, slice(None))
+    return fn(values, rows, slice(0, values["busy_s"].shape[1]), *args)
+
+
+def _on_cols(fn: Callable[..., Any], cols: slice, n_parts: int, work: str | None, *rest: Any) -> Any:
+    """A rank round of ``rounds.py`` on one rank block."""
+    pieces, args = rest[len(rest) - n_parts :], rest[: len(rest) - n_parts]
+    values = _values(pieces, 0, work, None, Groups([""], [], np.zeros(0, dtype=np.int64)), slice(None), cols)
+    return fn(values, slice(0, values["busy_s"].shape[0]), cols, *args)
+
+
+class RayRounds:
+    """The rounds of ``rounds.py`` as Ray tasks over the loaded step parts and rank blocks."""
+
+    def __init__(self, ray: Any, loads: list, parts: list[slice], blocks: list[slice], work: str | None) -> None:
+        self.ray, self.loads, self.parts, self.blocks, self.work = ray, loads, parts, blocks, work
+        self.rows_task, self.cols_task = ray.remote(_on_rows), ray.remote(_on_cols)
+
+    def by_steps(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        return self.ray.get([self.rows_task.remote(fn, rows, len(self.blocks), self.work, *args,
+                                                   *[ld[1 + p] for ld in self.loads])
+                             for p, rows in enumerate(self.parts)])  # fmt: skip
+
+    def by_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        return self.ray.get([self.cols_task.remote(fn, cols, len(self.parts), self.work, *args,
+                                                   *[ld[1 + p] for p in range(len(self.parts))])
+                             for ld, cols in zip(self.loads, self.blocks, strict=True)])  # fmt: skip
+
+
+def _step(rows: slice, blocks: list[slice], groups: Groups, cfg: DetectConfig, work: str | None,
+          model: imb.WorkModel | None, *pieces: dict) -> tuple:  # fmt: skip
+    values = _values(pieces, 1, work, model, groups, rows, slice(None))
+    busy, step_s = values["busy_s"], values["step_s"]
+    excess, costly, stats = step_stage(busy, step_s, values["comm_wait_s"], groups, cfg)
+    start = values["start_time"]
     times = (nanmedian(start, axis=1), nanmedian(start + step_s, axis=1))
     return ((stats, times), *[(np.ascontiguousarray(excess[:, b]), np.ascontiguousarray(costly[:, b]))
                               for b in blocks])  # fmt: skip
@@ -137,14 +191,17 @@ def _flag_rows(found: list[tuple[int, int, int | None, bool, int]], rows: slice,
     return out
 
 
-def _healthy(rows: slice, found: list, never: np.ndarray, groups: Groups, *pieces: dict) -> HealthyStats:
-    phases = [np.concatenate([p["phases"][c] for p in pieces], axis=1) for c in range(len(pieces[0]["phases"]))]
-    return healthy_stage(_joined(pieces, "busy_s"), phases, _flag_rows(found, rows, len(never)), never, groups)
+def _healthy(rows: slice, found: list, never: np.ndarray, groups: Groups, work: str | None,
+             model: imb.WorkModel | None, *pieces: dict) -> HealthyStats:  # fmt: skip
+    values = _values(pieces, 1, work, model, groups, rows, slice(None))
+    return healthy_stage(values["busy_s"], cause_phases(values), _flag_rows(found, rows, len(never)), never, groups)
 
 
 def _describe(block: slice, steps: np.ndarray, ranks: np.ndarray, found: list, groups: Groups, job: dict,
-              cfg: DetectConfig, state: consistency.BlockState, *pieces: dict) -> tuple:  # fmt: skip
-    busy = np.concatenate([p["busy_s"] for p in pieces])
+              cfg: DetectConfig, state: consistency.BlockState, work: str | None, model: imb.WorkModel | None,
+              *pieces: dict) -> tuple:  # fmt: skip
+    values = _values(pieces, 0, work, model, groups, slice(None), block)
+    busy, all_phases = values["busy_s"], cause_phases(values)
     ref_h = job["ref_h"]
     relative = busy / ref_h[:, groups.index[block]]
     slowdown = nanmedian(relative, axis=0)
@@ -153,10 +210,9 @@ def _describe(block: slice, steps: np.ndarray, ranks: np.ndarray, found: list, g
     out: list[Straggler] = []
     for col, a, b, classic, after in found:
         j = col - block.start
-        phases = [np.concatenate([p["phases"][c][:, j] for p in pieces]) for c in range(len(pieces[0]["phases"]))]
-        series = RankSeries(np.ascontiguousarray(state.e[:, j]), np.ascontiguousarray(busy[:, j]), phases,
-                            ref_h[:, groups.index[col]], other_max(job["top_v"], job["top_c"], groups.index[col], col),
-                            job["peer_phase"])  # fmt: skip
+        others = other_max(job["top_v"], job["top_c"], groups.index[col], col)
+        series = RankSeries(np.ascontiguousarray(state.e[:, j]), np.ascontiguousarray(busy[:, j]),
+                            [p[:, j] for p in all_phases], ref_h[:, groups.index[col]], others, job["peer_phase"])
         out.append(straggler(int(ranks[col]), steps, series, a, b, cfg, classic, after))
     return slowdown, out, hosts
 
@@ -231,23 +287,42 @@ def analyze_on_ray(
                     np.any((s.ranks >= ranks[b][0]) & (s.ranks <= ranks[b][-1]))] for b in blocks]  # fmt: skip
     loads = [remote["_load"].options(num_returns=1 + len(parts)).remote(fs, plan, ranks[b], parts)
              for fs, b in zip(block_files, blocks, strict=True)]  # fmt: skip
-    say("step stage")
-    step_refs = [remote["_step"].options(num_returns=1 + len(blocks)).remote(blocks, groups, cfg,
-                                                                          *[ld[1 + p] for ld in loads])
-                 for p in range(len(parts))]  # fmt: skip
-    say("consistency")
-    r1 = [remote["_round1"].options(num_returns=2).remote(cfg, *[sr[1 + b] for sr in step_refs])
-          for b in range(len(blocks))]  # fmt: skip
-    sc = consistency.combine1(ray.get([r[0] for r in r1]), cfg)
-    sc = consistency.combine2(ray.get([remote["_round2"].remote(r[1], sc, cfg) for r in r1]), sc, cfg)
     cuts = cut_indices(world_cuts(plan.attempts, rank_meta), steps)
-    found_blocks = ray.get([remote["_round3"].remote(r[1], sc, cfg, b.start, cuts)
-                            for r, b in zip(r1, blocks, strict=True)])  # fmt: skip
+    say("work")
+    rounds = RayRounds(ray, loads, parts, blocks, None)
+    chosen = imb.choose(joined(rounds.by_steps(imb.steps_basis)), work_unit(path) or "")
+    work, unit = chosen if chosen is not None else (None, "")
+    rounds.work = work
+    measured = workfit.measure(rounds, groups) if work is not None else None
+    model = imb.model(rounds, groups, measured) if measured is not None else None
+
+    def flag_pass(model: imb.WorkModel | None) -> tuple:
+        model_ref = ray.put(model)
+        say("step stage")
+        step_refs = [remote["_step"].options(num_returns=1 + len(blocks)).remote(
+            rows, blocks, groups, cfg, work, model_ref, *[ld[1 + p] for ld in loads])
+            for p, rows in enumerate(parts)]  # fmt: skip
+        say("consistency")
+        r1 = [remote["_round1"].options(num_returns=2).remote(cfg, *[sr[1 + b] for sr in step_refs])
+              for b in range(len(blocks))]  # fmt: skip
+        sc = consistency.combine1(ray.get([r[0] for r in r1]), cfg)
+        sc = consistency.combine2(ray.get([remote["_round2"].remote(r[1], sc, cfg) for r in r1]), sc, cfg)
+        found_blocks = ray.get([remote["_round3"].remote(r[1], sc, cfg, b.start, cuts)
+                                for r, b in zip(r1, blocks, strict=True)])  # fmt: skip
+        return step_refs, r1, sc, found_blocks, model_ref
+
+    step_refs, r1, sc, found_blocks, model_ref = flag_pass(model)
+    if measured is not None and any(found_blocks):  # the healthy slopes again, from the ranks never flagged
+        never = np.ones(len(ranks), dtype=bool)
+        never[[col for fb in found_blocks for col, *_ in fb]] = False
+        model = imb.model(rounds, groups, measured, healthy=never)
+        step_refs, r1, sc, found_blocks, model_ref = flag_pass(model)
     found = [f for fb in found_blocks for f in fb]
     never = np.ones(len(ranks), dtype=bool)
     never[[col for col, *_ in found]] = False
     say("healthy stage")
-    healthy = ray.get([remote["_healthy"].remote(rows, found, never, groups, *[ld[1 + p] for ld in loads])
+    healthy = ray.get([remote["_healthy"].remote(rows, found, never, groups, work, model_ref,
+                                                 *[ld[1 + p] for ld in loads])
                        for p, rows in enumerate(parts)])  # fmt: skip
     stats_times = ray.get([sr[0] for sr in step_refs])
     stats = _concat_stats([s for s, _ in stats_times])
@@ -259,7 +334,7 @@ def analyze_on_ray(
            "host_names": np.unique(hosts[never])}  # fmt: skip
     job_ref = ray.put(job)
     say("describe")
-    described = ray.get([remote["_describe"].remote(b, steps, ranks, fb, groups, job_ref, cfg, r[1],
+    described = ray.get([remote["_describe"].remote(b, steps, ranks, fb, groups, job_ref, cfg, r[1], work, model_ref,
                                                     *[ld[1 + p] for p in range(len(parts))])
                          for b, fb, r, ld in zip(blocks, found_blocks, r1, loads, strict=True)])  # fmt: skip
     summaries = ray.get([ld[0] for ld in loads])
@@ -268,6 +343,12 @@ def analyze_on_ray(
     result = verdict(ranks, steps, [s for _, d, _ in described for s in d], stats, health, groups, cfg,
                      thresholds, empty, empty.astype(bool), cuts)  # fmt: skip
     result.healthy = never
+    if model is not None:
+        say("imbalance")
+        with_model = RayRounds(ray, loads, parts, blocks, work)
+        im = result.imbalance = imb.assess(with_model, model, groups, straggling(result, ranks), ranks,
+                                           result.job_seconds, cfg.imbalance_min_slowdown, unit, work)  # fmt: skip
+        add_imbalance(result, im)
     if described:
         result.jitter_hosts = np.fmax.reduce([h for _, _, h in described])
         result.jitter_ranks = int((never & groups.paired()).sum())
@@ -276,6 +357,7 @@ def analyze_on_ray(
         {c: np.concatenate([s["medians"][c] for s in summaries]) for c in RANK_COLUMNS},
         np.concatenate([d[0] for d in described]) if described else np.zeros(0),
         np.concatenate([s["steps"] for s in summaries]) if summaries else np.zeros(0, dtype=int),
+        *((np.concatenate([s["work"][work][k] for s in summaries]) for k in (0, 1)) if work and summaries else ()),
     )
     last_idx = np.concatenate([s["last"] for s in summaries]) if summaries else np.zeros(0, dtype=int)
     last = {int(r): int(steps[i]) for r, i in zip(ranks.tolist(), last_idx.tolist(), strict=True) if i >= 0}

@@ -94,14 +94,14 @@ class RankFigures:
     @classmethod
     def of(cls, mat: StepMatrix, verdict: Verdict) -> RankFigures:
         im = verdict.imbalance
-        work, per = work_medians(mat, im.column) if im is not None else (None, None)
+        work, per = work_medians(mat.values, im.column) if im is not None else (None, None)
         return cls(mat.ranks, rank_medians(mat.values, RANK_COLUMNS), nanmedian(verdict.slowdown, axis=0),
                    np.sum(~np.isnan(mat.values["busy_s"]), axis=0), work, per)  # fmt: skip
 
 
-def work_medians(mat: StepMatrix, column: str = "work") -> tuple[np.ndarray, np.ndarray]:
+def work_medians(values: dict[str, np.ndarray], column: str = "work") -> tuple[np.ndarray, np.ndarray]:
     """Per rank, the median work per step and the median busy seconds per unit of work."""
-    work, busy = mat.values[column], mat.values["busy_s"]
+    work, busy = values[column], values["busy_s"]
     with np.errstate(divide="ignore", invalid="ignore"):
         per = np.where(work > 0, busy / np.where(work > 0, work, 1.0), np.nan)
     return nanmedian(work, axis=0), nanmedian(per, axis=0)

@@ -1,0 +1,58 @@
+"""How a staged analysis reaches the run's data: by step rows or by rank columns. Pure.
+
+The analyses that need both every rank of a step and every step of a rank (the work fit, the imbalance
+cost) are written as rounds: a *step round* calls a function on a slice of the steps with every rank
+(``fn(values, rows, cols, *args)``, ``cols`` all ranks), a *rank round* on a slice of the ranks with every
+step. A result of a step round depends only on its rows, one of a rank round only on its columns, and the
+driver code between rounds combines them in order, so whatever the slices the results are the same.
+
+:class:`Whole` runs a round on the whole run in one piece (the local engine, the live path);
+``rayengine`` runs each slice as a Ray task over its step parts and rank blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+Values = dict[str, np.ndarray]
+
+
+class Rounds(Protocol):
+    """Runs a round over the slices of a run, and returns the slices' results in step or rank order."""
+
+    def by_steps(self, fn: Callable[..., Any], *args: Any) -> list[Any]: ...
+
+    def by_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]: ...
+
+
+@dataclass
+class Whole:
+    """Every round on the whole of a steps x ranks ``values`` at once."""
+
+    values: Values
+
+    def _all(self) -> tuple[slice, slice]:
+        s, r = self.values["busy_s"].shape
+        return slice(0, s), slice(0, r)
+
+    def by_steps(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        return [fn(self.values, *self._all(), *args)]
+
+    def by_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        return [fn(self.values, *self._all(), *args)]
+
+
+def joined(parts: list[Any]) -> Any:
+    """The slices' results as one: their arrays (per step, or per rank, first) concatenated, dicts and tuples
+    of them element by element. Rounds return per-step or per-rank arrays, never sums over their slice: the
+    driver sums the whole array, so that no figure depends on where the slices were cut."""
+    first = parts[0]
+    if isinstance(first, dict):
+        return {k: joined([p[k] for p in parts]) for k in first}
+    if isinstance(first, tuple):
+        return tuple(joined([p[i] for p in parts]) for i in range(len(first)))
+    return np.concatenate(parts)
