@@ -342,3 +342,22 @@ def test_python_api_is_the_commands_report_and_settings_are_checked(
         assert cli(["analyze", str(run), *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("stragglerwatch") and "error:" in err[0] and needle in err[0], err
+
+
+@pytest.mark.parametrize("tokens", [0.0, 4096.0])
+def test_progress_counts_every_file_and_stage_and_ends_at_its_total(tmp_path: Path, tokens: float) -> None:
+    """The progress bar of a long analysis moves through reading and every detection stage, never back,
+    and ends full, whether the run recorded work (more stages) or not."""
+    from stragglerwatch.analysis.detect import STAGES
+    from stragglerwatch.analysis.report import analyze_run
+    from stragglerwatch.record.simulate import Injection, SimConfig, write_run
+
+    run = write_run(tmp_path / "run", SimConfig(ranks=6, steps=200, seed=2, tokens=tokens,
+                                                injections=[Injection(4, 0.3, 50, "compute")]))  # fmt: skip
+    seen: list[tuple[int, int]] = []
+    analyze_run(run, progress=lambda done, total: seen.append((done, total)))
+    totals = {t for _, t in seen}
+    assert totals == {2 * 6 + len(STAGES) + 2}
+    done = [d for d, _ in seen]
+    assert done == sorted(done) and done[-1] == totals.pop()
+    assert len(seen) >= 2 * 6 + (len(STAGES) if tokens else 2)

@@ -89,8 +89,8 @@ def test_ray_gives_the_local_report_on_variable_work(tmp_path, cluster, monkeypa
     monkeypatch.setattr(consistency, "BLOCK_RECORDS", 400 * 5)  # 4 rank blocks
     monkeypatch.setattr(rayengine, "PART_RECORDS", 16 * 70)  # 6 step parts
     run = tmp_path / "run"
-    write_run(run, SimConfig(ranks=16, steps=400, seed=5, tokens=4096, token_mode=mode, heavy_rank=2,
-                             injections=[Injection(6, 0.2, 150, "compute"), Injection(11, 0.2, 100, "data")]))  # fmt: skip
+    slow = [Injection(6, 0.2, 150, "compute"), Injection(11, 0.2, 100, "data")]
+    write_run(run, SimConfig(ranks=16, steps=400, seed=5, tokens=4096, token_mode=mode, heavy_rank=2, injections=slow))
     local = _report(analyze_run(run))
     assert sorted((s["rank"], s["cause"]) for s in local["stragglers"]) == [(6, "compute"), (11, "data")]
     im = local["imbalance"]

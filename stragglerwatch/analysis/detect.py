@@ -29,6 +29,7 @@ Design (docs/analysis.md, "How detection works"):
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -243,25 +244,39 @@ def matrix_from_columns(
     return StepMatrix(ranks, steps, values)
 
 
+#: The stages of :func:`detect` its ``progress`` is told of (a run without work skips the first, third and last).
+STAGES = ("work fit", "flags", "flags again", "stragglers", "imbalance")
+
+
 def detect(
-    data: pd.DataFrame | StepMatrix, config: DetectConfig | None = None, groups: dict[int, str] | None = None
+    data: pd.DataFrame | StepMatrix,
+    config: DetectConfig | None = None,
+    groups: dict[int, str] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Verdict:
-    """Consistent stragglers, their cause and cost, the job's slowdown and its load imbalance. Pure."""
+    """Consistent stragglers, their cause and cost, the job's slowdown and its load imbalance. Pure
+    (``progress`` is told each of :data:`STAGES` as it begins)."""
     cfg = config or DetectConfig()
+    say = progress or (lambda stage: None)
     mat = data if isinstance(data, StepMatrix) else to_matrix(data)
     g = Groups.of(mat.ranks, groups)
     chosen = imb.basis(mat.values, mat.work_unit)
     raw, unit, column = chosen if chosen is not None else (mat.values, "", "work")
     rounds = Whole(raw)
+    if chosen is not None:
+        say("work fit")
     measured = workfit.measure(rounds, g) if chosen is not None else None
     model = imb.model(rounds, g, measured) if measured is not None else None
     values = imb.adjust(raw, model, g) if model is not None else raw
+    say("flags")
     flagged = _flag(values, g, cfg)
     if measured is not None and flagged[0].any():  # the healthy slopes again, from the ranks never flagged
+        say("flags again")
         model = imb.model(rounds, g, measured, healthy=~flagged[0].any(axis=0))
         values = imb.adjust(raw, model, g)
         flagged = _flag(values, g, cfg)
     flags, thresholds, excess, stats, classic = flagged
+    say("stragglers")
     busy = values["busy_s"]
     phases = cause_phases(values)
     never = ~flags.any(axis=0)
@@ -278,6 +293,7 @@ def detect(
     result = verdict(mat.ranks, mat.steps, found, stats, health, g, cfg, thresholds, slowdown, flags, cuts)
     result.healthy = never & g.paired()
     if model is not None:
+        say("imbalance")
         im = result.imbalance = imb.assess(rounds, model, g, straggling(result, mat.ranks), mat.ranks,
                                            result.job_seconds, cfg.imbalance_min_slowdown, unit, column)  # fmt: skip
         add_imbalance(result, im)

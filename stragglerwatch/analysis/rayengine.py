@@ -73,6 +73,9 @@ from stragglerwatch.record.steplog import RunDirWarning, run_files, work_unit
 #: Ranks x steps records of one step part.
 PART_RECORDS = 1 << 22
 SCAN_FILES = 256  # files a scan task reads the footers (or ids) of
+#: The stages ``analyze_on_ray`` tells its ``progress`` of, at most (a run without work skips the work fit and
+#: the imbalance; a run whose first pass flags nobody, the second step stage and consistency).
+STAGES = 10
 #: What a step part carries of each rank block: the step figures, the phases and the work (adjusted where
 #: the run recorded work, in the task that uses them: ``_values``).
 PIECE_COLUMNS = ("step_s", "comm_wait_s", "start_time", *ADJUSTED, "work", "work_elements", *GAP_COLUMNS)

@@ -30,7 +30,7 @@ from stragglerwatch.analysis.arrivals import above_group, arrivals, summary, uns
 from stragglerwatch.analysis.attempts import attempt_index, world_cuts
 from stragglerwatch.analysis.attempts import describe as describe_attempts
 from stragglerwatch.analysis.codeprofile import locate, needed_ranks
-from stragglerwatch.analysis.detect import MATRIX_COLUMNS, StepMatrix, Verdict, detect, matrix_from_columns
+from stragglerwatch.analysis.detect import MATRIX_COLUMNS, STAGES, StepMatrix, Verdict, detect, matrix_from_columns
 from stragglerwatch.analysis.explain import StepTimes, explain, prepare, span, span_values
 from stragglerwatch.analysis.hangs import hangs_from_events
 from stragglerwatch.analysis.imbalance import Imbalance
@@ -269,14 +269,16 @@ def analyze_run(
     config: DetectConfig | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Analysis:
-    """Load a run dir, detect, and build the report (raises ``RunDirError``)."""
+    """Load a run dir, detect, and build the report (raises ``RunDirError``). ``progress(done, total)``: each
+    file scanned and read, then each stage of the detection (:data:`detect.STAGES`)."""
     path, _, files = run_files(run_dir)
     done = [0]
+    total = 2 * len(files) + len(STAGES) + 2  # and the report
 
-    def tick() -> None:
+    def tick(stage: str = "") -> None:
         done[0] += 1
         if progress:
-            progress(done[0], 2 * len(files))
+            progress(done[0], total)
 
     scans = []
     for f in files:
@@ -291,9 +293,13 @@ def analyze_run(
     times = step_times(mat.steps, start, mat.values["step_s"])
     del start
     roles = {r: m["role"] for r, m in rank_meta.items() if m.get("role") is not None}
-    verdict = detect(mat, config, groups=roles or None)
-    return finish(path, RankFigures.of(mat, verdict), verdict, rank_meta, times, last_steps(mat), plan,
-                  Analysis(None, mat, verdict), config=config)  # type: ignore[arg-type]  # fmt: skip
+    verdict = detect(mat, config, groups=roles or None, progress=tick)
+    done[0] = max(done[0], total - 2)  # the stages a run without work skips
+    tick()
+    analysis = finish(path, RankFigures.of(mat, verdict), verdict, rank_meta, times, last_steps(mat), plan,
+                      Analysis(None, mat, verdict), config=config)  # type: ignore[arg-type]  # fmt: skip
+    tick()
+    return analysis
 
 
 def finish(

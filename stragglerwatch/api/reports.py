@@ -116,6 +116,19 @@ def detect_config(settings: dict[str, Any]) -> DetectConfig:
     return DetectConfig(**given)
 
 
+def _stage_ticks(progress: Callable[[int, int], None] | None, total: int) -> Callable[[str], None] | None:
+    """A ``progress(done, total)`` told of each stage of ``total`` as one step."""
+    if progress is None:
+        return None
+    done = [0]
+
+    def tick(stage: str) -> None:
+        done[0] = min(done[0] + 1, total - 1)
+        progress(done[0], total)
+
+    return tick
+
+
 def analyze(
     run_dir: str | os.PathLike[str] | None = None,
     *,
@@ -148,9 +161,11 @@ def analyze(
     if run_dir is None:
         analysis = empty_analysis()
     elif engine == "ray":
-        from stragglerwatch.analysis.rayengine import analyze_on_ray
+        from stragglerwatch.analysis.rayengine import STAGES, analyze_on_ray
 
-        analysis = analyze_on_ray(run_dir, config, address=address)
+        analysis = analyze_on_ray(run_dir, config, address=address, progress=_stage_ticks(progress, STAGES))
+        if progress:
+            progress(STAGES, STAGES)
     else:
         analysis = analyze_run(run_dir, config, progress=progress)
     report = analysis.report

@@ -82,7 +82,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         else:
             report = analyze(args.run_dir, engine=args.engine,
                              address=args.address, logs=args.logs, flight_recorder=args.fr,
-                             progress=Progress("reading logs") if args.engine == "local" else None,
+                             progress=Progress("analyze", 32 if args.engine == "local" else 1),
                              **settings)  # fmt: skip
     except Exception as exc:  # one line each: a setting, the run dir, a trace, logs, dumps, Ray
         from stragglerwatch.analysis.rayengine import RayEngineError
