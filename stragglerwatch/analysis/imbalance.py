@@ -157,6 +157,8 @@ def choose(rows: dict[str, np.ndarray], unit: str) -> tuple[str, str] | None:
 
 def basis(values: dict[str, np.ndarray], unit: str) -> Basis | None:
     """:func:`choose` on a whole steps x ranks ``values``: the values with the chosen work as ``work``."""
+    if not any(values.get(c) is not None and bool(np.isfinite(values[c]).any()) for c in WORK_COLUMNS):
+        return None  # no work recorded (what ``choose`` would find, without the rest of its round)
     chosen = choose(joined(Whole(values).by_steps(steps_basis)), unit)
     if chosen is None:
         return None

@@ -50,14 +50,33 @@ class JitterTax:
         return asdict(self)
 
 
+#: Order statistics whose weight in an expected maximum is below this are left out (their share of it is less).
+NEGLIGIBLE = 1e-18
+
+
 def expected_max(sorted_values: np.ndarray, draws: float) -> float:
     """The expected largest of ``draws`` independent draws from the (sorted) values."""
-    n = len(sorted_values)
-    if n == 0:
-        return float("nan")
-    cdf = np.arange(0, n + 1, dtype=float) / n
-    weights = np.diff(cdf**draws)
-    return float(np.dot(weights, sorted_values))
+    return expected_maxes(sorted_values, np.ones(len(sorted_values)), [draws])[0]
+
+
+def expected_maxes(sorted_values: np.ndarray, counts: np.ndarray, draws: list[float]) -> list[float]:
+    """The expected largest of each of ``draws`` independent draws from the (sorted) values, each value
+    ``counts`` times (a resample's multiset of a sorted pool, without sorting it again): a value's weight
+    is ``F^M - (F - p)^M`` at its cumulative share ``F`` and own share ``p``. Only the values whose weight
+    can exceed :data:`NEGLIGIBLE` are raised to the power (the top ones, for many draws)."""
+    total = float(counts.sum())
+    if total <= 0:
+        return [float("nan")] * len(draws)
+    keep = counts > 0
+    x, c = sorted_values[keep], counts[keep].astype(np.float64)
+    upper = np.cumsum(c) / total
+    lower = np.maximum(upper - c / total, 0.0)
+    out = []
+    for m in draws:
+        start = int(np.searchsorted(upper, NEGLIGIBLE ** (1.0 / m))) if m > 0 else 0
+        w = upper[start:] ** m - lower[start:] ** m
+        out.append(float(np.dot(w, x[start:])))
+    return out
 
 
 def host_deviations(relative: np.ndarray, hosts: np.ndarray, names: np.ndarray | None = None) -> np.ndarray:
@@ -98,19 +117,23 @@ def project_hosts(per_host: np.ndarray, ranks: int, busy_share: float, seed: int
     rng = np.random.default_rng(seed)
     # a step loses at most its own length to one slow rank (the job's loss is counted so, ``detect.verdict``)
     per_host = np.minimum(per_host, 1.0 / busy_share if busy_share > 0 else np.inf)
-    blocks = max(1, per_host.shape[0] // BLOCK)
-    pool = np.sort(per_host[np.isfinite(per_host)])
-    for scale in SCALES:
-        draws = hosts_now * scale
-        point = expected_max(pool, draws) * busy_share
-        samples = []
-        for _ in range(RESAMPLES):
-            pick = rng.integers(0, blocks, size=blocks)
-            rows = (pick[:, None] * BLOCK + np.arange(BLOCK)[None, :]).ravel()
-            values = per_host[rows[rows < per_host.shape[0]]]
-            samples.append(expected_max(np.sort(values[np.isfinite(values)]), draws) * busy_share)
-        low, high = np.percentile(samples, [5, 95])
+    n_blocks = max(1, per_host.shape[0] // BLOCK)
+    # the pool sorted once; a resample of blocks is the same values, each as often as its block was drawn
+    ok = np.isfinite(per_host)
+    block_of = np.minimum(np.arange(per_host.shape[0]) // BLOCK, n_blocks)[:, None].repeat(hosts_now, axis=1)[ok]
+    order = np.argsort(per_host[ok], kind="stable")
+    pool, block_of = per_host[ok][order], block_of[order]
+    draws = [hosts_now * scale for scale in SCALES]
+    points = expected_maxes(pool, np.ones(len(pool)), draws)
+    samples = []
+    for _ in range(RESAMPLES):
+        times = np.bincount(rng.integers(0, n_blocks, size=n_blocks), minlength=n_blocks + 1)
+        times[n_blocks] = 0  # the steps after the last whole block: in the point, not the resamples
+        samples.append(expected_maxes(pool, times[block_of], draws))
+    for k, scale in enumerate(SCALES):
+        point = points[k] * busy_share
+        low, high = np.percentile([sample[k] * busy_share for sample in samples], [5, 95])
         tax.projections.append(Projection(ranks=ranks * scale, share=round(max(0.0, point), 6),
                                           low=round(max(0.0, float(low)), 6), high=round(max(0.0, float(high)), 6),
-                                          beyond_data=draws > len(pool)))  # fmt: skip
+                                          beyond_data=draws[k] > len(pool)))  # fmt: skip
     return tax

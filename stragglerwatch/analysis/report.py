@@ -288,7 +288,8 @@ def analyze_run(
     values = runmatrix.fill(files, plan, plan.ranks, tick)
     start = values.pop("start_time")
     rank_meta = read_rank_meta(path)
-    mat = StepMatrix(plan.ranks, plan.steps, values, work_unit=work_unit(path) or "",
+    measured = any(bool(np.isfinite(values[c]).any()) for c in ("work", "work_elements") if c in values)
+    mat = StepMatrix(plan.ranks, plan.steps, values, work_unit=(work_unit(path) or "") if measured else "",
                      cuts=world_cuts(plan.attempts, rank_meta))  # fmt: skip
     times = step_times(mat.steps, start, mat.values["step_s"])
     del start

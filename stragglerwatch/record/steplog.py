@@ -16,6 +16,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -312,8 +313,9 @@ def work_unit(run_dir: str | os.PathLike[str]) -> str | None:
     if not path.is_dir():
         return None
     counts: dict[str, int] = {}
-    for f in log_files(path):
-        units = _units(f)
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:  # Arrow reads without the GIL
+        read = list(pool.map(_units, log_files(path)))
+    for units in read:
         if units is None:
             continue
         for row in pc.value_counts(units).to_pylist():
