@@ -108,9 +108,9 @@ def _load(files: list[str], plan: runmatrix.StepPlan, ranks: np.ndarray, parts: 
         "last": last_rows(values["busy_s"]),
         "work": {c: work_medians(values, c) for c in imb.WORK_COLUMNS if c in values},
     }
-    shape = values["busy_s"].shape
-    cut = [{c: np.ascontiguousarray(values[c][p]) if c in values else np.full((p.stop - p.start, shape[1]), np.nan)
-            for c in PIECE_COLUMNS} for p in parts]  # fmt: skip
+    # a column the block never recorded (work, a gap) travels as nothing: ``_values`` fills it with NaN
+    kept = [c for c in PIECE_COLUMNS if c in values and (c == "busy_s" or bool(np.isfinite(values[c]).any()))]
+    cut = [{c: np.ascontiguousarray(values[c][p]) for c in kept} for p in parts]
     return (summary, *cut)
 
 
@@ -118,7 +118,15 @@ def _values(pieces: tuple[dict, ...], axis: int, work: str | None, model: imb.Wo
             rows: slice, cols: slice) -> dict[str, np.ndarray]:  # fmt: skip
     """The pieces of a step part (side by side, ``axis`` 1) or of a rank block (one after the other, 0) as
     one, the fitted work (``work``: its column, None: none) as ``work``, adjusted for it where ``model``."""
-    values = {c: np.concatenate([p[c] for p in pieces], axis=axis) for c in PIECE_COLUMNS}
+    def column(c: str) -> np.ndarray:
+        if all(c not in p for p in pieces):
+            shape = [p["busy_s"].shape for p in pieces]
+            return np.full((sum(x[0] for x in shape), shape[0][1]) if axis == 0 else
+                           (shape[0][0], sum(x[1] for x in shape)), np.nan, dtype=np.float32)  # fmt: skip
+        return np.concatenate([p[c] if c in p else np.full(p["busy_s"].shape, np.nan, dtype=np.float32)
+                               for p in pieces], axis=axis)  # fmt: skip
+
+    values = {c: column(c) for c in PIECE_COLUMNS}
     if work is not None:
         values["work"] = values[work]
     return imb.adjust(values, model, groups, rows, cols) if model is not None else values
