@@ -18,7 +18,7 @@
    the wall time from that flush on disk, beside the step at which ``analyze`` on the whole run flags
    it: the batch that proves it is the one holding that step.
 
-    python benchmarks/dashboard_speed.py [--ranks 1024 --first 2000 --steps 10000 --flush-steps 10]
+    python benchmarks/dashboard_speed.py [--ranks 1024 --first 2000 --steps 10000 --flush-steps 10] [--tokens 4096]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import resource
 import statistics
 import tempfile
 import time
@@ -101,8 +102,11 @@ def end_to_end(cfg: SimConfig, first: int, flush_steps: int, poll_s: float) -> N
               f"{worst + REFRESH_S:.1f} s at worst")  # fmt: skip
         live = source.live
         kept = sum(a[: rows.n].nbytes for rows in (live.data, live.det) for a in rows.arrays.values())
-        print(f"end-to-end: the followed run's arrays hold {kept / 1e9:.2f} GB, "
-              f"{kept / (cfg.ranks * cfg.steps):.0f} bytes a record")  # fmt: skip
+        adjusted = sum(a.nbytes for a in live.work.adjusted.values()) if live.work is not None else 0
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        print(f"end-to-end: the followed run's arrays hold {(kept + adjusted) / 1e9:.2f} GB, "
+              f"{(kept + adjusted) / (cfg.ranks * cfg.steps):.0f} bytes a record (of which the work-adjusted "
+              f"times {adjusted / (cfg.ranks * cfg.steps):.0f}); peak RSS of this process {peak:.2f} GiB")  # fmt: skip
         print(f"end-to-end: the run stopped growing; settled on the exact analysis in {settled:.1f} s; the same "
               f"report as analyze: {same}")  # fmt: skip
 
@@ -160,12 +164,15 @@ def main() -> None:
     p.add_argument("--poll", type=float, default=POLL_S, help="end-to-end: the source's polling period (s)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--part", choices=("end-to-end", "render", "both", "small"), default="both")
+    p.add_argument("--tokens", type=float, default=0.0,
+                   help="mean tokens a rank a step: every rank its own batch each step (variable work, recorded "
+                        "per step; the followed run is adjusted for it); default 0: no work recorded")  # fmt: skip
     args = p.parse_args()
     if args.part == "small":
         small(args.flush_steps, args.poll)
         return
     slow = [Injection(17, 0.2, args.steps // 4), Injection(900 % args.ranks, 0.1, args.steps // 2, "data")]
-    cfg = SimConfig(args.ranks, args.steps, injections=slow)
+    cfg = SimConfig(args.ranks, args.steps, injections=slow, tokens=args.tokens)
     if args.part in ("end-to-end", "both"):
         end_to_end(cfg, args.first, args.flush_steps, args.poll)
     if args.part == "end-to-end":

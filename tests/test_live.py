@@ -77,3 +77,32 @@ def test_late_ranks_a_restart_and_a_batch_cut_in_half(tmp_path):
     assert (7, "optimizer") in _flagged(live)
     live.update()
     assert live.exact and _same(live, out)
+
+
+def test_a_run_with_uneven_work_is_followed_not_analysed_again(tmp_path, monkeypatch):
+    """Variable work on every step: the updates adjust new rows with the work model of the last fit (no
+    analysis from scratch), fit it again as the run grows, report the imbalance as they go, and the settled
+    run is analyze's, exactly."""
+    from stragglerwatch.analysis import live as live_mod
+
+    cfg = SimConfig(ranks=16, steps=600, seed=4, tokens=4096,
+                    injections=[Injection(5, 0.2, 150, "compute"), Injection(12, 0.25, 250, "data")])  # fmt: skip
+    run = GrowingRun(tmp_path / "run", cfg)
+    live = LiveRun(tmp_path / "run", regrow=0.5)
+    fits = []
+    real_measure = live_mod.workfit.measure
+    monkeypatch.setattr(live_mod.workfit, "measure", lambda *a: fits.append(1) or real_measure(*a))
+    monkeypatch.setattr(live_mod, "detect", lambda *a, **k: (_ for _ in ()).throw(AssertionError("from scratch")))
+    seen = []
+    for upto in range(60, 601, 30):
+        run.flush(upto)
+        assert live.update() and not live.exact
+        seen.append(_flagged(live))
+        im = live.analysis.report["imbalance"]
+        assert im is not None and im["unit"] == "tokens"
+    assert 3 <= len(fits) <= 6  # fitted again as the run grew by half, not at every update
+    assert {(5, "compute"), (12, "data")} <= set(seen[-1])
+    assert live.analysis.report["imbalance"]["detected"]
+    monkeypatch.undo()
+    assert live.update() and live.exact  # nothing new: it settles on the whole run
+    assert _same(live, tmp_path / "run")

@@ -13,6 +13,11 @@ and detection moves on from where it was instead of starting over.
   they were; the flags of earlier steps keep the scalars they were given with until the run
   settles. The per-rank medians of the table are brought up to date one column an update, the
   host context at most every ``slow_every_s``.
+- **Work.** Where the ranks did different work, the detection follows times adjusted for it
+  (``imbalance``) with the work model fitted when the run was last ``regrow`` smaller: new rows are
+  adjusted with it, and when the run has grown by ``regrow`` it is fitted again on every step, every
+  row adjusted again and the detection redone from the first step (so an update's cost stays that of
+  its new rows, but for one in about ten). The imbalance verdict is the one of that fit.
 - **Settling.** When an update finds nothing new and the verdict was not computed from all of the
   data at once, the run is analysed whole (``detect``, as ``analyze`` does): the verdict of a
   finished run is ``analyze``'s, exactly.
@@ -32,11 +37,21 @@ import pandas as pd
 import pyarrow as pa
 
 from stragglerwatch.analysis import consistency as cons
+from stragglerwatch.analysis import imbalance as imb
+from stragglerwatch.analysis import workfit
 from stragglerwatch.analysis.attempts import cut_indices, world_cuts
 from stragglerwatch.analysis.cost import TOP_K
-from stragglerwatch.analysis.detect import StepMatrix, Verdict, detect, straggler, verdict
+from stragglerwatch.analysis.detect import (
+    StepMatrix,
+    Verdict,
+    add_imbalance,
+    detect,
+    straggler,
+    straggling,
+    verdict,
+)
 from stragglerwatch.analysis.explain import StepTimes
-from stragglerwatch.analysis.imbalance import recorded, uneven
+from stragglerwatch.analysis.imbalance import recorded
 from stragglerwatch.analysis.intermittent import intermittent_flags
 from stragglerwatch.analysis.report import (
     RANK_COLUMNS,
@@ -47,6 +62,7 @@ from stragglerwatch.analysis.report import (
     last_steps,
     step_times,
 )
+from stragglerwatch.analysis.rounds import Whole
 from stragglerwatch.analysis.runmatrix import (
     FLOAT64_COLUMNS,
     ID_COLUMNS,
@@ -148,6 +164,20 @@ class _Rows:
         self.n = n
 
 
+@dataclass
+class _Work:
+    """The work model a followed run is adjusted with, fitted when the run had ``steps`` steps, and the
+    values adjusted with it (the rows read since adjusted as they came)."""
+
+    column: str
+    unit: str
+    model: imb.WorkModel
+    steps: int
+    ref: np.ndarray  # steps x groups: the group's median work, every step read
+    adjusted: dict[str, np.ndarray]  # ``imbalance.ADJUSTED`` columns, every step read
+    imbalance: imb.Imbalance | None = None
+
+
 class LiveRun:
     """The analysis of a run dir that grows; :meth:`update` returns whether it changed."""
 
@@ -176,6 +206,8 @@ class LiveRun:
         self.checkpoints: list[dict[int, cons.Carry]] = [{}, {}]  # at the noise floor, at the fixed floor
         self.never: np.ndarray | None = None
         self.unit = ""  # what the records' work counts, once known
+        self.uneven = False  # some step's ranks did different work (sticky)
+        self.work: _Work | None = None
         self.slow_at = 0.0
         self.figures: RankFigures | None = None
         self.turn = 0
@@ -359,9 +391,8 @@ class LiveRun:
         """The analysis after the rows from ``lo`` on changed (frozen scalars, resumed rule)."""
         cfg, n, r = self.cfg, self.data.n, len(self.ranks)
         mat, start = self._matrix()
-        if uneven(mat.values):  # work-adjusted times move with every new step: all again
-            return self._exact()
         g = Groups.of(self.ranks, self.roles)
+        v, lo = self._worked(mat, g, lo)
         self.det.grow(n, {"e": ((r,), np.float64, np.nan), "costly": ((r,), np.float32, np.nan),
                           "med": ((r,), np.float64, np.nan), "level": ((r,), np.float64, np.nan),
                           "counted": ((r,), np.float64, 0.0), "flags": ((r,), bool, False),
@@ -375,7 +406,6 @@ class LiveRun:
                           "peer_phase": ((len(CAUSES) + len(GAP_COLUMNS),), np.float64, np.nan),
                           "start": ((), np.float64, np.nan), "end": ((), np.float64, np.nan)})  # fmt: skip
         d = self.det.arrays
-        v = mat.values
         rows = slice(lo, n)
         e, costly, st = step_stage(v["busy_s"][rows], v["step_s"][rows], v["comm_wait_s"][rows], g, cfg)
         d["e"][rows], d["costly"][rows] = e, costly
@@ -432,8 +462,53 @@ class LiveRun:
         result = verdict(self.ranks, self.steps, found, stats, full, g, cfg, cons.thresholds(self.sc, cfg),  # type: ignore[arg-type]
                          slowdown, flags, cuts)  # fmt: skip
         result.healthy = never & g.paired()
+        if self.work is not None:
+            work = self.work
+            if work.imbalance is None:  # assessed once a fit, with the flags of the update that fitted
+                values = {**mat.values, "work": mat.values[work.column]}
+                flagged = straggling(result, self.ranks)
+                work.imbalance = imb.assess(Whole(values), work.model, g, flagged, self.ranks, result.job_seconds,
+                                            cfg.imbalance_min_slowdown, work.unit, work.column)  # fmt: skip
+            result.imbalance = work.imbalance
+            add_imbalance(result, work.imbalance)
         self.figures = self._figures(mat, result)
         return self._report(mat, result, (self.steps, d["start"][:n], d["end"][:n]))
+
+    def _worked(self, mat: StepMatrix, g: Groups, lo: int) -> tuple[dict[str, np.ndarray], int]:
+        """The values the detection follows, and the first row that changed: the read values, or where the
+        ranks did different work, adjusted with the frozen work model (fitted again, and every row from the
+        first on changed, once the run has grown by ``regrow``)."""
+        n = len(mat.steps)
+        if not self.uneven:
+            self.uneven = _uneven_rows(mat.values, lo)
+        if not self.uneven:
+            return mat.values, lo
+        work = self.work
+        if work is None or n >= (1.0 + self.regrow) * work.steps or len(work.ref) < lo:
+            chosen = imb.basis(mat.values, mat.work_unit)
+            if chosen is None:
+                self.uneven = False
+                return mat.values, lo
+            raw, unit, column = chosen
+            rounds = Whole(raw)
+            healthy = None if self.never is None or len(self.never) != len(self.ranks) else self.never
+            model = imb.model(rounds, g, workfit.measure(rounds, g), healthy)
+            adjusted = imb.adjust(raw, model, g)
+            self.work = _Work(column, unit, model, n, model.ref, {c: adjusted[c] for c in workfit.ADJUSTED})
+            return {**mat.values, **self.work.adjusted}, 0
+        rows = slice(lo, n)
+        w = mat.values[work.column]
+        ref = np.stack([nanmedian(w[rows][:, idx], axis=1) for idx in g.members], axis=1)
+        work.ref = np.concatenate([work.ref[:lo], ref])
+        model = imb.WorkModel(work.model.slopes, work.model.healthy, work.model.steps, work.ref, work.model.measured)
+        part = imb.adjust({**{c: mat.values[c][rows] for c in workfit.ADJUSTED}, "work": w[rows]}, model, g, rows)
+        for c in workfit.ADJUSTED:
+            if len(work.adjusted[c]) < n:
+                grown = np.full((n, len(self.ranks)), np.nan, dtype=work.adjusted[c].dtype)
+                grown[: len(work.adjusted[c])] = work.adjusted[c][: len(grown)]
+                work.adjusted[c] = grown
+            work.adjusted[c][rows] = part[c]
+        return {**mat.values, **{c: a[:n] for c, a in work.adjusted.items()}}, lo
 
     def _figures(self, mat: StepMatrix, result: Verdict) -> RankFigures:
         """The report's per-rank figures, one column's medians brought up to date an update (each
@@ -461,6 +536,11 @@ class LiveRun:
                                  (state.e, state.costly, state.med, state.level, state.counted)))  # fmt: skip
         sc = cons.combine1([cons.round1(part)], self.cfg)
         return cons.combine2([cons.round2(part, sc, self.cfg)], sc, self.cfg)
+
+
+def _uneven_rows(values: dict[str, np.ndarray], lo: int) -> bool:
+    """Whether in some step from row ``lo`` on the ranks did different work (by either count)."""
+    return imb.uneven({c: values[c][lo:] for c in ("work", "work_elements") if c in values})
 
 
 def read_new(f: Path, state: _File, problem: Callable[[pa.Schema], str | None]) -> pa.Table | None:
