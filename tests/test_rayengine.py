@@ -85,13 +85,21 @@ def test_ray_gives_the_local_report(tmp_path, cluster, monkeypatch):
 @pytest.mark.parametrize("mode", ["variable", "static"])
 def test_ray_gives_the_local_report_on_variable_work(tmp_path, cluster, monkeypatch, mode):
     """Work recorded per step (tokens): the work fit, the adjusted detection and the imbalance verdict run in
-    rounds over the same slices on both engines (a compute straggler hidden in heavy batches, a data one)."""
+    rounds over the same slices on both engines (a compute straggler hidden in heavy batches, a data one,
+    and a hang: the same report, key for key)."""
     monkeypatch.setattr(consistency, "BLOCK_RECORDS", 400 * 5)  # 4 rank blocks
     monkeypatch.setattr(rayengine, "PART_RECORDS", 16 * 70)  # 6 step parts
     run = tmp_path / "run"
     slow = [Injection(6, 0.2, 150, "compute"), Injection(11, 0.2, 100, "data")]
     write_run(run, SimConfig(ranks=16, steps=400, seed=5, tokens=4096, token_mode=mode, heavy_rank=2, injections=slow))
+    # and a hang at step 300: rank 9 stuck in its forward, the others waiting in the allreduce for it
+    for r in range(16):
+        phase = "forward" if r == 9 else "allreduce_wait"
+        stall = {"kind": "stall", "rank": r, "step": 300, "phase": phase, "detected_at": 1.7e9 + r * 0.01,
+                 "waited_s": 30.0, "threshold_s": 30.0, "id": f"{r}-300", "stall_id": f"{r}-300"}  # fmt: skip
+        (run / f"events-{r:05d}.jsonl").write_text(json.dumps(stall) + "\n")
     local = _report(analyze_run(run))
+    assert [h["culprit_ranks"] for h in local["hangs"]] == [[9]]
     assert sorted((s["rank"], s["cause"]) for s in local["stragglers"]) == [(6, "compute"), (11, "data")]
     im = local["imbalance"]
     assert im is not None and im["detected"] and im["unit"] == "tokens" and im["lost_seconds"] > 0
