@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stragglerwatch.analysis import consistency, rayengine
+from stragglerwatch.analysis import consistency, rayengine, workfit
 from stragglerwatch.analysis.report import analyze_run
 from stragglerwatch.record.simulate import Injection, SimConfig, write_run
 
@@ -89,6 +89,7 @@ def test_ray_gives_the_local_report_on_variable_work(tmp_path, cluster, monkeypa
     and a hang: the same report, key for key)."""
     monkeypatch.setattr(consistency, "BLOCK_RECORDS", 400 * 5)  # 4 rank blocks
     monkeypatch.setattr(rayengine, "PART_RECORDS", 16 * 70)  # 6 step parts
+    monkeypatch.setattr(workfit, "FIT_STEPS", 150)  # the fit takes every 3rd step: parts of 70 cut across them
     run = tmp_path / "run"
     slow = [Injection(6, 0.2, 150, "compute"), Injection(11, 0.2, 100, "data")]
     write_run(run, SimConfig(ranks=16, steps=400, seed=5, tokens=4096, token_mode=mode, heavy_rank=2, injections=slow))

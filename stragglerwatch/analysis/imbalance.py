@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stragglerwatch.analysis import workfit
-from stragglerwatch.analysis.rounds import Rounds, Whole, joined
+from stragglerwatch.analysis.rounds import Rounds, Whole, joined, nanmean_rows, rowsum
 from stragglerwatch.analysis.stages import Groups, nanmedian
 from stragglerwatch.analysis.workfit import ADJUSTED
 
@@ -126,9 +126,9 @@ def steps_basis(values: dict[str, np.ndarray], rows: slice, cols: slice) -> dict
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             b, x = np.where(ok, busy, np.nan), np.where(ok, w, np.nan)
-            db, dx = b - np.nanmean(b, axis=1)[:, None], x - np.nanmean(x, axis=1)[:, None]
+            db, dx = b - nanmean_rows(b)[:, None], x - nanmean_rows(x)[:, None]
             out[f"{name}:sxy"], out[f"{name}:sxx"], out[f"{name}:syy"] = (
-                np.nansum(v, axis=1) for v in (db * dx, dx * dx, db * db))  # fmt: skip
+                rowsum(np.nan_to_num(v)) for v in (db * dx, dx * dx, db * db))  # fmt: skip
     w, e = values.get("work"), values.get("work_elements")
     same = np.isnan(w) & np.isnan(e) | (w == e) if w is not None and e is not None else np.zeros(busy.shape, bool)
     out["same"] = same.all(axis=1)
@@ -211,7 +211,7 @@ def step_reference(w: np.ndarray, groups: Groups, how: str = "median") -> np.nda
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for idx in groups.members:
-            col = nanmedian(w[:, idx], axis=1) if how == "median" else np.nanmean(w[:, idx], axis=1)
+            col = nanmedian(w[:, idx], axis=1) if how == "median" else nanmean_rows(w[:, idx])
             ref[:, idx] = col[:, None]
     return ref
 
@@ -270,11 +270,12 @@ def steps_cost(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         db = bv - step_reference(bv, groups, "mean")
-        mean = np.nanmean(wv, axis=1)
+        mean = nanmean_rows(wv)
         top_w, low_w = np.nanmax(wv, axis=1), np.nanmin(wv, axis=1)
     empty = np.zeros(len(busy))
     return {"real": real.max(axis=1) if busy.size else empty, "even": even.max(axis=1) if busy.size else empty,
-            "rows": rows2, "total": np.nansum(db * db, axis=1), "resid": np.nansum((db - b * dw) ** 2 * used, axis=1),
+            "rows": rows2, "total": rowsum(np.nan_to_num(db * db)),
+            "resid": rowsum(np.nan_to_num((db - b * dw) ** 2 * used)),
             "spread": _ratio(top_w - mean, mean), "varies": top_w > low_w, "any": used.any(axis=1),
             "top": np.argmax(np.where(used, w, -np.inf), axis=1) if busy.size else empty.astype(np.int64),
             "max": np.where(used, w, -np.inf).max(axis=1) if busy.size else empty,

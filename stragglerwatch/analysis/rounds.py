@@ -56,3 +56,37 @@ def joined(parts: list[Any]) -> Any:
     if isinstance(first, tuple):
         return tuple(joined([p[i] for p in parts]) for i in range(len(first)))
     return np.concatenate(parts)
+
+
+# Sums whose order of additions is fixed by the row (or column) alone, whatever slice of the run holds it:
+# numpy adds a contiguous row pairwise, and a non-contiguous one element by element, so a round's sums are
+# taken over contiguous copies.
+
+
+def rowsum(x: np.ndarray) -> np.ndarray:
+    """Per row (step), the sum of ``x``."""
+    return np.ascontiguousarray(x).sum(axis=1)
+
+
+def colsum(x: np.ndarray) -> np.ndarray:
+    """Per column (rank), the sum of ``x``."""
+    return np.asfortranarray(x).sum(axis=0)
+
+
+def nanmean_rows(x: np.ndarray) -> np.ndarray:
+    """Per row, the mean of the finite values (NaN where there are none)."""
+    c = np.ascontiguousarray(x)
+    n = np.isfinite(c).sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n > 0, np.nansum(c, axis=1) / np.maximum(n, 1), np.nan)
+
+
+def nanvar_rows(x: np.ndarray) -> np.ndarray:
+    """Per row, the variance of the finite values (NaN where there are none)."""
+    d = x - nanmean_rows(x)[:, None]
+    return nanmean_rows(d * d)
+
+
+def nanvar_cols(x: np.ndarray) -> np.ndarray:
+    """Per column, the variance of the finite values (NaN where there are none)."""
+    return nanvar_rows(np.ascontiguousarray(x.T))

@@ -15,6 +15,10 @@ A group whose work hardly varies within each rank across steps, compared with ac
 heavy shard), tells nothing by a rank's own slope: its slope is pooled over the group's healthy ranks from
 the differences across ranks within each step.
 
+The fit takes every ``k``-th step, ``k`` the least that leaves at most :data:`FIT_STEPS` (a rank's slope
+from 2,048 steps is as good as it gets; the fit's cost then stops growing with the run's length); the
+steps it takes are fixed by their index in the run, so every engine takes the same.
+
 Every figure of a round depends only on its slice's rows (step rounds) or columns (rank rounds), and every
 sum over the run is taken by the driver code here over the joined per-step or per-rank arrays: the local
 engine (one slice) and Ray (many) fit the same slopes.
@@ -27,11 +31,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stragglerwatch.analysis.rounds import Rounds, joined
+from stragglerwatch.analysis.rounds import Rounds, colsum, joined, nanvar_cols, nanvar_rows, rowsum
 from stragglerwatch.analysis.stages import Groups, nanmedian
 
 #: The columns adjusted for work: the phases busy time is made of, then busy time itself.
 ADJUSTED = ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "other_s", "busy_s")
+#: Steps the fit takes at most (every k-th step of the run).
+FIT_STEPS = 2048
 #: Rounds of the alternating fit at most (each a step round and a rank round).
 ITERATIONS = 40
 RTOL = 1e-4
@@ -60,6 +66,7 @@ class Measured:
     fitted: np.ndarray  # per group: at least two ranks and work that differs between them in some step
     static: np.ndarray  # per group
     rows_ok: np.ndarray  # per step: work and busy time on at least two ranks
+    every: int  # the fit took every ``every``-th step
     ref: np.ndarray  # steps x groups: the group's median work in the step (what times are adjusted to)
     steps: int
 
@@ -68,6 +75,17 @@ def y_of(values: dict[str, np.ndarray], column: str) -> np.ndarray:
     """A column as the fit takes it: phases a source does not time are zeros, busy time stays NaN where missing."""
     y = np.asarray(values[column], dtype=np.float64)
     return y if column == "busy_s" else np.nan_to_num(y)
+
+
+def thinned(values: dict[str, np.ndarray], rows: slice, every: int) -> tuple[dict[str, np.ndarray], slice]:
+    """The steps of ``rows`` the fit takes (those whose index in the run is a multiple of ``every``), as views,
+    and where they lie among the steps it takes."""
+    if every == 1:
+        return values, rows
+    first = -(-rows.start // every)
+    last = -(-rows.stop // every)
+    offset = first * every - rows.start
+    return {c: v[offset::every] for c, v in values.items()}, slice(first, last)
 
 
 def _ok(values: dict[str, np.ndarray], rows: slice, rows_ok: np.ndarray) -> np.ndarray:
@@ -100,17 +118,19 @@ def steps_start(values: dict[str, np.ndarray], rows: slice, cols: slice, groups:
         warnings.simplefilter("ignore", RuntimeWarning)
         for gi, idx in enumerate(groups.members):
             wg = np.where(ok[:, idx], w[:, idx], np.nan)
-            across[:, gi] = np.nanvar(wg, axis=1)
+            across[:, gi] = nanvar_rows(wg)
             varies[:, gi] = np.nanmax(wg, axis=1) > np.nanmin(wg, axis=1)
             ref[:, gi] = nanmedian(w[:, idx], axis=1)
     return {"rows_ok": rows_ok, "across": across, "varies": varies == 1, "ref": ref}
 
 
-def steps_level(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups, rows_ok: np.ndarray,
+def steps_level(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups,
+                rows_ok: np.ndarray, every: int,
                 cut: Cut | None, gb: dict[str, tuple[np.ndarray, np.ndarray]] | None
                 ) -> dict[str, np.ndarray]:  # fmt: skip
     """Per column, each group's step level ``c``: the median of its cells (``gb`` None: the start), else the
     mean of ``y - g - b * work`` over them."""
+    values, rows = thinned(values, rows, every)
     ok, w = _ok(values, rows, rows_ok), values["work"]
     out = {}
     for column in ADJUSTED:
@@ -129,14 +149,16 @@ def steps_level(values: dict[str, np.ndarray], rows: slice, cols: slice, groups:
             z -= g[idx]
             np.copyto(z, 0.0, where=~mg)
             n = mg.sum(axis=1)
-            c[:, gi] = np.where(n > 0, z.sum(axis=1) / np.maximum(n, 1), 0.0)
+            c[:, gi] = np.where(n > 0, rowsum(z) / np.maximum(n, 1), 0.0)
         out[column] = c
     return out
 
 
-def steps_rowmed(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups, rows_ok: np.ndarray,
-                 b0: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # fmt: skip
+def steps_rowmed(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups,
+                rows_ok: np.ndarray, every: int,
+                b0: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # fmt: skip
     """Per column, each group's median of ``y - b0 * work`` in each step (the refit's row centre)."""
+    values, rows = thinned(values, rows, every)
     ok, w = _ok(values, rows, rows_ok), values["work"]
     out = {}
     for column in ADJUSTED:
@@ -145,10 +167,12 @@ def steps_rowmed(values: dict[str, np.ndarray], rows: slice, cols: slice, groups
     return out
 
 
-def steps_pooled(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups, rows_ok: np.ndarray,
-                 pick: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+def steps_pooled(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups,
+                rows_ok: np.ndarray, every: int,
+                pick: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:  # fmt: skip
     """Per column, step and group: the cross products of work and ``y`` about the step's means over the
     ``pick``ed ranks' cells (the pooled slope's terms)."""
+    values, rows = thinned(values, rows, every)
     ok = _ok(values, rows, rows_ok) & pick[None, :]
     w = np.where(ok, values["work"], 0.0)
     n_g = len(groups.members)
@@ -158,10 +182,10 @@ def steps_pooled(values: dict[str, np.ndarray], rows: slice, cols: slice, groups
         sxy, sxx = np.zeros((len(w), n_g)), np.zeros((len(w), n_g))
         for gi, idx in enumerate(groups.members):
             n = ok[:, idx].sum(axis=1)
-            sw, sy = w[:, idx].sum(axis=1), y[:, idx].sum(axis=1)
+            sw, sy = rowsum(w[:, idx]), rowsum(y[:, idx])
             with np.errstate(invalid="ignore", divide="ignore"):
-                sxy[:, gi] = np.where(n > 0, (w[:, idx] * y[:, idx]).sum(axis=1) - sw * sy / np.maximum(n, 1), 0.0)
-                sxx[:, gi] = np.where(n > 0, (w[:, idx] ** 2).sum(axis=1) - sw * sw / np.maximum(n, 1), 0.0)
+                sxy[:, gi] = np.where(n > 0, rowsum(w[:, idx] * y[:, idx]) - sw * sy / np.maximum(n, 1), 0.0)
+                sxx[:, gi] = np.where(n > 0, rowsum(w[:, idx] ** 2) - sw * sw / np.maximum(n, 1), 0.0)
         out[column] = (sxy, sxx)
     return out
 
@@ -169,10 +193,12 @@ def steps_pooled(values: dict[str, np.ndarray], rows: slice, cols: slice, groups
 # -- rank rounds (every step of a slice of the ranks) -----------------------------------------------
 
 
-def ranks_slope(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups, rows_ok: np.ndarray,
+def ranks_slope(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups,
+                rows_ok: np.ndarray, every: int,
                 cut: Cut | None, c: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, ...]]:  # fmt: skip
     """Per column and rank, given the step levels ``c``: the slope of ``y - c`` on work (NaN where work never
     varied), the mean of ``y - c`` and the mean work (the offset follows from them)."""
+    values, rows = thinned(values, rows, every)
     ok, w = _ok(values, rows, rows_ok), values["work"]
     gidx = groups.index[cols]
     one = len(groups.members) == 1
@@ -182,25 +208,27 @@ def ranks_slope(values: dict[str, np.ndarray], rows: slice, cols: slice, groups:
         if cut is not None or shared is None:  # the same cells for every column unless a cut left some out
             n = m.sum(axis=0)
             with np.errstate(invalid="ignore", divide="ignore"):
-                wm = np.where(m, w, 0.0).sum(axis=0) / n
+                wm = colsum(np.where(m, w, 0.0)) / n
                 dw = np.where(m, w - wm, 0.0)
-                shared = (n, wm, dw, (dw * dw).sum(axis=0))
+                shared = (n, wm, dw, colsum(dw * dw))
         n, wm, dw, sxx = shared
         r = y_of(values, column) - (c[column][:, :1] if one else c[column][:, gidx])
         np.copyto(r, 0.0, where=~m)
         with np.errstate(invalid="ignore", divide="ignore"):
-            rm = r.sum(axis=0) / n
+            rm = colsum(r) / n
             r *= dw  # the cells' deviations of work sum to nil: the slope needs no centring of r
-            new = np.where(sxx > 0, r.sum(axis=0) / np.where(sxx > 0, sxx, 1.0), np.nan)
+            new = np.where(sxx > 0, colsum(r) / np.where(sxx > 0, sxx, 1.0), np.nan)
         out[column] = (new, rm, wm)
     return out
 
 
-def ranks_cut(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups, rows_ok: np.ndarray,
-              b0: dict[str, np.ndarray], rowmed: dict[str, np.ndarray]
+def ranks_cut(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups,
+                rows_ok: np.ndarray, every: int,
+                b0: dict[str, np.ndarray], rowmed: dict[str, np.ndarray]
               ) -> dict[str, tuple[np.ndarray, ...]]:  # fmt: skip
     """Per column and rank: the median residual, the bound beyond which a cell is left out of the refit
     (inf: none is), and how many cells it keeps of how many."""
+    values, rows = thinned(values, rows, every)
     ok, w = _ok(values, rows, rows_ok), values["work"]
     gidx = groups.index[cols]
     out = {}
@@ -216,12 +244,14 @@ def ranks_cut(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: G
     return out
 
 
-def ranks_within(values: dict[str, np.ndarray], rows: slice, cols: slice, rows_ok: np.ndarray) -> np.ndarray:
+def ranks_within(values: dict[str, np.ndarray], rows: slice, cols: slice, rows_ok: np.ndarray, every: int
+                 ) -> np.ndarray:  # fmt: skip
     """Per rank: the variance of its work across steps."""
+    values, rows = thinned(values, rows, every)
     ok = _ok(values, rows, rows_ok)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        return np.nanvar(np.where(ok, values["work"], np.nan), axis=0)
+        return nanvar_cols(np.where(ok, values["work"], np.nan))
 
 
 # -- the driver -----------------------------------------------------------------------------------------
@@ -237,13 +267,14 @@ def _fill(new: np.ndarray, groups: Groups) -> np.ndarray:
     return b
 
 
-def _als(rounds: Rounds, groups: Groups, rows_ok: np.ndarray, fitted: np.ndarray, cut: Cut | None
+def _als(rounds: Rounds, groups: Groups, rows_ok: np.ndarray, every: int,
+                fitted: np.ndarray, cut: Cut | None
          ) -> dict[str, np.ndarray]:  # fmt: skip
-    c = joined(rounds.by_steps(steps_level, groups, rows_ok, cut, None))
+    c = joined(rounds.by_steps(steps_level, groups, rows_ok, every, cut, None))
     beta = {column: np.full(len(groups.index), np.nan) for column in ADJUSTED}
     watched = [idx for gi, idx in enumerate(groups.members) if fitted[gi]]
     for _ in range(ITERATIONS):
-        got = joined(rounds.by_ranks(ranks_slope, groups, rows_ok, cut, c))
+        got = joined(rounds.by_ranks(ranks_slope, groups, rows_ok, every, cut, c))
         gb, settled = {}, True
         for column in ADJUSTED:
             new, rm, wm = got[column]
@@ -254,18 +285,19 @@ def _als(rounds: Rounds, groups: Groups, rows_ok: np.ndarray, fitted: np.ndarray
             gb[column] = (np.nan_to_num(rm - b * wm), b)
         if settled:
             break
-        c = joined(rounds.by_steps(steps_level, groups, rows_ok, cut, gb))
+        c = joined(rounds.by_steps(steps_level, groups, rows_ok, every, cut, gb))
     return beta
 
 
 def measure(rounds: Rounds, groups: Groups) -> Measured:
     """Fit every rank's slopes (``rounds`` reach the run's values, with the fitted work as ``work``)."""
     start = joined(rounds.by_steps(steps_start, groups))
-    rows_ok = start["rows_ok"]
+    every = max(1, -(-len(start["rows_ok"]) // FIT_STEPS))
+    rows_ok = start["rows_ok"][::every]  # of the steps the fit takes
     n_g = len(groups.members)
     sizes = np.array([len(m) for m in groups.members])
     fitted = (sizes >= 2) & (start["varies"].any(axis=0) if len(rows_ok) else np.zeros(n_g, dtype=bool))
-    within = joined(rounds.by_ranks(ranks_within, rows_ok))
+    within = joined(rounds.by_ranks(ranks_within, rows_ok, every))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         across = np.nanmean(start["across"], axis=0) if len(rows_ok) else np.full(n_g, np.nan)
@@ -273,10 +305,10 @@ def measure(rounds: Rounds, groups: Groups) -> Measured:
     static = fitted & ~(inside > STATIC * across) & (across > 0)
     slopes = {column: np.full(len(groups.index), np.nan) for column in ADJUSTED}
     if (fitted & ~static).any():
-        beta = _als(rounds, groups, rows_ok, fitted & ~static, None)
+        beta = _als(rounds, groups, rows_ok, every, fitted & ~static, None)
         b0 = {column: _fill(beta[column], groups) for column in ADJUSTED}
-        rowmed = joined(rounds.by_steps(steps_rowmed, groups, rows_ok, b0))
-        cuts = joined(rounds.by_ranks(ranks_cut, groups, rows_ok, b0, rowmed))
+        rowmed = joined(rounds.by_steps(steps_rowmed, groups, rows_ok, every, b0))
+        cuts = joined(rounds.by_ranks(ranks_cut, groups, rows_ok, every, b0, rowmed))
         refit = np.zeros((len(ADJUSTED), n_g), dtype=bool)
         for k, column in enumerate(ADJUSTED):
             _, bound, kept, n = cuts[column]
@@ -286,7 +318,7 @@ def measure(rounds: Rounds, groups: Groups) -> Measured:
                     bound[idx] = np.inf
         if refit.any():
             cut = Cut(b0, rowmed, {k: v[0] for k, v in cuts.items()}, {k: v[1] for k, v in cuts.items()})
-            again = _als(rounds, groups, rows_ok, refit.any(axis=0), cut)
+            again = _als(rounds, groups, rows_ok, every, refit.any(axis=0), cut)
             for k, column in enumerate(ADJUSTED):
                 for gi, idx in enumerate(groups.members):
                     if refit[k, gi]:
@@ -295,12 +327,12 @@ def measure(rounds: Rounds, groups: Groups) -> Measured:
             for gi, idx in enumerate(groups.members):
                 if fitted[gi] and not static[gi]:
                     slopes[column][idx] = beta[column][idx]
-    return Measured(slopes, fitted, static, rows_ok, start["ref"], int(rows_ok.sum()))
+    return Measured(slopes, fitted, static, rows_ok, every, start["ref"], int(start["rows_ok"].sum()))
 
 
 def pooled(rounds: Rounds, groups: Groups, measured: Measured, pick: np.ndarray) -> dict[str, np.ndarray]:
     """Per column and group: the slope pooled over the ``pick``ed ranks (NaN where it is not identified)."""
-    sums = joined(rounds.by_steps(steps_pooled, groups, measured.rows_ok, pick))
+    sums = joined(rounds.by_steps(steps_pooled, groups, measured.rows_ok, measured.every, pick))
     out = {}
     for column in ADJUSTED:
         sxy, sxx = (v.sum(axis=0) for v in sums[column])

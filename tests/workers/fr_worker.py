@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import threading
 import time
@@ -29,8 +30,25 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _dump_fr_trace, _dump_fr_trace_json
 
 
-def dump_and_exit(out: Path, rank: int, after_s: float) -> None:
+def settled(timeout_s: float = 30.0) -> None:
+    """Until this rank's recorder holds every collective as completed (each group's last completed one its
+    last enqueued, every entry retired): gloo's worker thread records a completion after the call has
+    returned, so on a loaded machine a dump taken at once can still show the last barrier pending (a hang
+    that never was)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dump = json.loads(_dump_fr_trace_json())
+        status = dump.get("pg_status") or {}
+        if all(int(st.get("last_completed_collective", -1)) >= int(st.get("last_enqueued_collective", -1))
+               for st in status.values()) and all(e.get("retired") for e in dump.get("entries", [])):  # fmt: skip
+            return
+        time.sleep(0.05)
+
+
+def dump_and_exit(out: Path, rank: int, after_s: float, wait_settled: bool = False) -> None:
     time.sleep(after_s)
+    if wait_settled:
+        settled()
     (out / f"pickle/rank_{rank}").write_bytes(_dump_fr_trace())
     (out / f"json/rank_{rank}.json").write_bytes(_dump_fr_trace_json())
     time.sleep(1.0)  # every rank has dumped before any leaves (a leaving peer fails the others' collectives)
@@ -61,7 +79,8 @@ def main() -> None:
             dist.all_reduce(x)
         dist.barrier()
     fresh = dist.new_group([0, 1]) if args.mode == "chain" else None
-    threading.Thread(target=dump_and_exit, args=(out, rank, 0.5 if args.mode == "slow" else 2.0), daemon=True).start()
+    slow = args.mode == "slow"  # every collective finishes: the dumps are taken once all are recorded so
+    threading.Thread(target=dump_and_exit, args=(out, rank, 0.5 if slow else 2.0, slow), daemon=True).start()
     try:
         if args.mode == "skip":
             if rank == args.culprit:

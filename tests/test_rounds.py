@@ -1,0 +1,76 @@
+"""The staged analyses (``rounds.py``) give the same figures whatever slices their rounds run on: the work fit
+and the imbalance verdict on the whole matrix against the same on uneven step parts and rank blocks, the fit
+taking every k-th step across the parts' edges."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from stragglerwatch.analysis import imbalance as imb
+from stragglerwatch.analysis import workfit
+from stragglerwatch.analysis.detect import detect, to_matrix
+from stragglerwatch.analysis.rounds import Whole
+from stragglerwatch.analysis.stages import Groups
+from stragglerwatch.record.simulate import Injection, SimConfig, to_frame
+
+
+@dataclass
+class Sliced:
+    """Rounds on uneven slices of a whole matrix, in order (as the Ray engine's tasks, in one process)."""
+
+    values: dict[str, np.ndarray]
+    row_cuts: list[int]
+    col_cuts: list[int]
+
+    def _slices(self, cuts: list[int], n: int) -> list[slice]:
+        edges = [0, *[c for c in cuts if 0 < c < n], n]
+        return [slice(a, b) for a, b in zip(edges, edges[1:], strict=False)]
+
+    def by_steps(self, fn, *args):
+        s, r = self.values["busy_s"].shape
+        return [fn({c: np.ascontiguousarray(v[rows]) for c, v in self.values.items()}, rows, slice(0, r), *args)
+                for rows in self._slices(self.row_cuts, s)]  # fmt: skip
+
+    def by_ranks(self, fn, *args):
+        s, r = self.values["busy_s"].shape
+        return [fn({c: np.ascontiguousarray(v[:, cols]) for c, v in self.values.items()}, slice(0, s), cols, *args)
+                for cols in self._slices(self.col_cuts, r)]  # fmt: skip
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_the_work_fit_and_the_imbalance_do_not_depend_on_the_slices(monkeypatch, every: int) -> None:
+    monkeypatch.setattr(workfit, "FIT_STEPS", 300 // every)
+    cfg = SimConfig(ranks=12, steps=300, seed=8, tokens=4096, groups=2,
+                    injections=[Injection(3, 0.25, 100, "compute"), Injection(8, 0.2, 50, "data")])  # fmt: skip
+    mat = to_matrix(to_frame(cfg))
+    values, unit, column = imb.basis(mat.values, mat.work_unit)
+    groups = Groups.of(mat.ranks, {int(r): str(int(r) % 2) for r in mat.ranks})
+    whole, sliced = Whole(values), Sliced(values, [7, 100, 101, 250], [1, 5, 6])
+    a, b = workfit.measure(whole, groups), workfit.measure(sliced, groups)
+    assert a.every == b.every == every
+    for c in workfit.ADJUSTED:
+        np.testing.assert_array_equal(a.slopes[c], b.slopes[c])
+    healthy = np.ones(len(mat.ranks), dtype=bool)
+    healthy[3] = False
+    model_a, model_b = imb.model(whole, groups, a, healthy), imb.model(sliced, groups, b, healthy)
+    flagged = ~healthy
+    im_a = imb.assess(whole, model_a, groups, flagged, mat.ranks, 100.0, 0.02, unit, column)
+    im_b = imb.assess(sliced, model_b, groups, flagged, mat.ranks, 100.0, 0.02, unit, column)
+    assert im_a == im_b and im_a.detected
+
+
+def test_the_fit_on_every_kth_step_flags_what_the_whole_fit_flags(monkeypatch) -> None:
+    """Taking every 4th step for the fit moves the verdict by nothing but a little of the imbalance's cost."""
+    cfg = SimConfig(ranks=16, steps=800, seed=3, tokens=4096,
+                    injections=[Injection(5, 0.12, 300, "compute"), Injection(11, 0.1, 200, "data")])  # fmt: skip
+    mat = to_matrix(to_frame(cfg))
+    full = detect(mat)
+    monkeypatch.setattr(workfit, "FIT_STEPS", 200)
+    thin = detect(mat)
+    assert [(s.rank, s.cause, s.first_step) for s in thin.stragglers] == [
+        (s.rank, s.cause, s.first_step) for s in full.stragglers]  # fmt: skip
+    assert {s.rank for s in full.stragglers} == {5, 11}
+    assert thin.imbalance.lost_seconds == pytest.approx(full.imbalance.lost_seconds, rel=0.03)
