@@ -11,7 +11,7 @@ process with every CPU here, and reports the peak memory of each Ray worker proc
 the driver's, and (``--compare``) whether the stragglers and the whole JSON report, key for key,
 equal the local engine's.
 
-    python benchmarks/throughput.py [--ranks 1024 --steps 10000] [--run-dir DIR]
+    python benchmarks/throughput.py [--ranks 1024 --steps 10000] [--run-dir DIR] [--tokens 4096]
     python benchmarks/throughput.py --ranks 10000 --steps 10000 --run-dir DIR --engine ray --compare
 """
 
@@ -111,6 +111,9 @@ def main() -> None:
     p.add_argument("--engine", choices=("local", "ray"), default="local")
     p.add_argument("--compare", action="store_true", help="with --engine ray: also run the local engine")
     p.add_argument("--repeat", type=int, default=3, help="interleaved runs of analyze and the plain read")
+    p.add_argument("--tokens", type=float, default=0.0,
+                   help="simulate variable work (mean tokens a rank a step, recorded per step): the work fit and "
+                        "the imbalance run too; default 0: no work recorded")  # fmt: skip
     args = p.parse_args()
     tmp = None
     if args.run_dir:
@@ -123,7 +126,8 @@ def main() -> None:
         subprocess.run(
             [sys.executable, "-m", "stragglerwatch.cli", "simulate", str(run), "--ranks", str(args.ranks),
              "--steps", str(args.steps), "--straggler", "17:1.15:2000:data", "--straggler",
-             f"{args.ranks - 1000}:1.1:6000", "--straggler", f"{args.ranks // 2 - 191}:1.12:3000:compute:8000"],
+             f"{args.ranks - 1000}:1.1:6000", "--straggler", f"{args.ranks // 2 - 191}:1.12:3000:compute:8000",
+             *(["--tokens", str(args.tokens)] if args.tokens else [])],
             check=True,
         )  # fmt: skip
         print(f"simulated {args.ranks} x {args.steps} in {time.perf_counter() - t0:.1f} s")
@@ -151,6 +155,9 @@ def main() -> None:
     local = [(s["rank"], s["cause"], s["first_step"], s["last_step"]) for s in report["stragglers"]]
     print(f"analyze --format json: {wall:.1f} s, peak RSS {rss:.2f} GiB, {records / wall / 1e6:.2f} M records/s")
     print(f"  stragglers found: {local}")
+    im = report.get("imbalance")
+    if im:
+        print(f"  imbalance: detected {im['detected']}, {im['lost_seconds']} s lost, unit {im['unit']}")
     if args.engine == "ray":
         same = json.dumps(report, sort_keys=True) == json.dumps(json.loads(out_ray), sort_keys=True)
         print(f"  the same as the Ray engine's: {local == found}; the JSON report equals the Ray engine's key for key: "

@@ -74,3 +74,23 @@ def test_the_fit_on_every_kth_step_flags_what_the_whole_fit_flags(monkeypatch) -
         (s.rank, s.cause, s.first_step) for s in full.stragglers]  # fmt: skip
     assert {s.rank for s in full.stragglers} == {5, 11}
     assert thin.imbalance.lost_seconds == pytest.approx(full.imbalance.lost_seconds, rel=0.03)
+
+
+def test_large_reductions_run_in_threads_and_give_the_same_bits(monkeypatch) -> None:
+    import bottleneck as bn
+
+    from stragglerwatch.analysis import consistency, rounds, stages
+
+    monkeypatch.setattr(rounds, "workers", lambda: 3)
+    monkeypatch.setattr(rounds, "PARALLEL_CELLS", 1000)
+    rng = np.random.default_rng(1)
+    a = rng.normal(size=(700, 90))
+    a[rng.random(a.shape) < 0.05] = np.nan
+    calls = []
+    real = rounds.ThreadPoolExecutor
+    monkeypatch.setattr(rounds, "ThreadPoolExecutor", lambda k: calls.append(k) or real(k))
+    for axis in (0, 1):
+        np.testing.assert_array_equal(stages.nanmedian(a, axis=axis), bn.nanmedian(a, axis=axis))
+    np.testing.assert_array_equal(consistency._moving(bn.move_median, a, 64, 16),
+                                  bn.move_median(a, 64, min_count=16, axis=0))  # fmt: skip
+    assert calls == [3, 3, 3], "each of them was cut into chunks for threads"

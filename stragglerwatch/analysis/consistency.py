@@ -44,6 +44,7 @@ import bottleneck as bn
 import numpy as np
 
 from stragglerwatch.analysis.intermittent import block_bar, block_noise, block_stats, intermittent_flags
+from stragglerwatch.analysis.rounds import by_columns
 from stragglerwatch.analysis.thresholds import Floors, classic_floors, floors
 
 if TYPE_CHECKING:  # detect.py imports this module
@@ -61,7 +62,7 @@ def rank_blocks(n_ranks: int, n_steps: int) -> list[slice]:
 
 def rank_nanmedian(x: np.ndarray) -> np.ndarray:
     """Per column (rank) median of the finite values; NaN for a column with none."""
-    return bn.nanmedian(x, axis=0) if x.size else np.full(x.shape[1], np.nan)
+    return by_columns(lambda part: bn.nanmedian(part, axis=0), x) if x.size else np.full(x.shape[1], np.nan)
 
 
 @dataclass
@@ -132,7 +133,7 @@ def _moving(fn, x: np.ndarray, window: int, min_count: int) -> np.ndarray:
     n = x.shape[0]
     if n < min_count:
         return np.full(x.shape, np.nan)
-    return fn(x, min(window, n), min_count=min_count, axis=0)
+    return by_columns(lambda part: fn(part, min(window, n), min_count=min_count, axis=0), x, out_axis=1)
 
 
 def block_state(e: np.ndarray, costly: np.ndarray, cfg: DetectConfig) -> BlockState:

@@ -18,9 +18,12 @@ the run has values, the run's largest deviation bounds it and the projection say
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
+from stragglerwatch.analysis.rounds import workers
 
 #: The job sizes projected, as multiples of today's ranks.
 SCALES = (1, 2, 8, 64)
@@ -125,11 +128,15 @@ def project_hosts(per_host: np.ndarray, ranks: int, busy_share: float, seed: int
     pool, block_of = per_host[ok][order], block_of[order]
     draws = [hosts_now * scale for scale in SCALES]
     points = expected_maxes(pool, np.ones(len(pool)), draws)
-    samples = []
-    for _ in range(RESAMPLES):
-        times = np.bincount(rng.integers(0, n_blocks, size=n_blocks), minlength=n_blocks + 1)
+    picks = [rng.integers(0, n_blocks, size=n_blocks) for _ in range(RESAMPLES)]
+
+    def resample(pick: np.ndarray) -> list[float]:
+        times = np.bincount(pick, minlength=n_blocks + 1)
         times[n_blocks] = 0  # the steps after the last whole block: in the point, not the resamples
-        samples.append(expected_maxes(pool, times[block_of], draws))
+        return expected_maxes(pool, times[block_of], draws)
+
+    with ThreadPoolExecutor(workers()) as threads:  # numpy's loops release the interpreter lock
+        samples = list(threads.map(resample, picks))
     for k, scale in enumerate(SCALES):
         point = points[k] * busy_share
         low, high = np.percentile([sample[k] * busy_share for sample in samples], [5, 95])

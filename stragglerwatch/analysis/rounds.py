@@ -12,7 +12,9 @@ driver code between rounds combines them in order, so whatever the slices the re
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -90,3 +92,42 @@ def nanvar_rows(x: np.ndarray) -> np.ndarray:
 def nanvar_cols(x: np.ndarray) -> np.ndarray:
     """Per column, the variance of the finite values (NaN where there are none)."""
     return nanvar_rows(np.ascontiguousarray(x.T))
+
+
+#: Arrays of at least this many cells are cut into chunks that threads reduce at once: bottleneck's and numpy's
+#: loops release the interpreter lock, so the chunks run on every core (each result is its row's or column's own,
+#: so the chunks change nothing of it).
+PARALLEL_CELLS = 1 << 21
+
+
+def workers() -> int:
+    """Threads a large reduction uses: the cores this process may run on, at most 4."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
+def by_columns(fn: Callable[[np.ndarray], np.ndarray], a: np.ndarray, out_axis: int = 0) -> np.ndarray:
+    """``fn`` of a 2-D array whose results are each column's own (a reduction over rows, a moving statistic
+    down the columns), on column chunks in threads; the chunks' results joined along ``out_axis``."""
+    k = workers()
+    if a.ndim != 2 or a.size < PARALLEL_CELLS or k < 2 or a.shape[1] < 2 * k:
+        return fn(a)
+    edges = np.linspace(0, a.shape[1], k + 1).astype(int)
+    with ThreadPoolExecutor(k) as pool:
+        parts = list(pool.map(fn, [a[:, lo:hi] for lo, hi in zip(edges, edges[1:], strict=False)]))
+    return np.concatenate(parts, axis=out_axis)
+
+
+def by_rows(fn: Callable[[np.ndarray], np.ndarray], a: np.ndarray) -> np.ndarray:
+    """``fn`` of a 2-D array whose results are each row's own (a reduction over columns), on row chunks in
+    threads."""
+    k = workers()
+    if a.ndim != 2 or a.size < PARALLEL_CELLS or k < 2 or a.shape[0] < 2 * k:
+        return fn(a)
+    edges = np.linspace(0, a.shape[0], k + 1).astype(int)
+    with ThreadPoolExecutor(k) as pool:
+        parts = list(pool.map(fn, [a[lo:hi] for lo, hi in zip(edges, edges[1:], strict=False)]))
+    return np.concatenate(parts, axis=0)

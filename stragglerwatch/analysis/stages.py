@@ -21,6 +21,7 @@ import numpy as np
 
 from stragglerwatch.analysis.cost import TOP_K, top_k
 from stragglerwatch.analysis.intermittent import BLOCK
+from stragglerwatch.analysis.rounds import by_columns, by_rows
 from stragglerwatch.analysis.thresholds import floors
 from stragglerwatch.record.schema import GAP_COLUMNS, GAP_TEXT, GAPS
 
@@ -41,6 +42,8 @@ def nanmedian(a: np.ndarray, axis: int) -> np.ndarray:
     selection, several times faster than numpy's on large arrays and without its warnings."""
     if a.size == 0:
         return np.full(a.shape[1 - axis] if a.ndim == 2 else 0, np.nan)
+    if a.ndim == 2:  # large ones in threads, a chunk of the rows (or columns) each
+        return (by_rows if axis == 1 else by_columns)(lambda x: bn.nanmedian(x, axis=axis), a)
     return bn.nanmedian(a, axis=axis)
 
 
