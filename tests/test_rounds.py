@@ -12,7 +12,7 @@ import pytest
 from stragglerwatch.analysis import imbalance as imb
 from stragglerwatch.analysis import workfit
 from stragglerwatch.analysis.detect import detect, to_matrix
-from stragglerwatch.analysis.rounds import Whole
+from stragglerwatch.analysis.rounds import Whole, thinned
 from stragglerwatch.analysis.stages import Groups
 from stragglerwatch.record.simulate import Injection, SimConfig, to_frame
 
@@ -24,6 +24,10 @@ class Sliced:
     values: dict[str, np.ndarray]
     row_cuts: list[int]
     col_cuts: list[int]
+    every: int = 1
+
+    def thin(self, every: int, columns: tuple[str, ...] = ()) -> Sliced:
+        return Sliced(self.values, self.row_cuts, self.col_cuts, every)
 
     def _slices(self, cuts: list[int], n: int) -> list[slice]:
         edges = [0, *[c for c in cuts if 0 < c < n], n]
@@ -31,13 +35,20 @@ class Sliced:
 
     def by_steps(self, fn, *args):
         s, r = self.values["busy_s"].shape
-        return [fn({c: np.ascontiguousarray(v[rows]) for c, v in self.values.items()}, rows, slice(0, r), *args)
-                for rows in self._slices(self.row_cuts, s)]  # fmt: skip
+        out = []
+        for rows in self._slices(self.row_cuts, s):
+            part, at = thinned({c: np.ascontiguousarray(v[rows]) for c, v in self.values.items()}, rows, self.every)
+            out.append(fn(part, at, slice(0, r), *args))
+        return out
 
     def by_ranks(self, fn, *args):
         s, r = self.values["busy_s"].shape
-        return [fn({c: np.ascontiguousarray(v[:, cols]) for c, v in self.values.items()}, slice(0, s), cols, *args)
-                for cols in self._slices(self.col_cuts, r)]  # fmt: skip
+        out = []
+        for cols in self._slices(self.col_cuts, r):
+            part, at = thinned({c: np.ascontiguousarray(v[:, cols]) for c, v in self.values.items()}, slice(0, s),
+                               self.every)  # fmt: skip
+            out.append(fn(part, at, cols, *args))
+        return out
 
 
 @pytest.mark.parametrize("every", [1, 3])
@@ -48,7 +59,9 @@ def test_the_work_fit_and_the_imbalance_do_not_depend_on_the_slices(monkeypatch,
     mat = to_matrix(to_frame(cfg))
     values, unit, column = imb.basis(mat.values, mat.work_unit)
     groups = Groups.of(mat.ranks, {int(r): str(int(r) % 2) for r in mat.ranks})
-    whole, sliced = Whole(values), Sliced(values, [7, 100, 101, 250], [1, 5, 6])
+    # the local engine's arrays are column-major (as read), the slices' row-major (as the Ray engine joins them)
+    whole = Whole({c: np.asfortranarray(v) for c, v in values.items()})
+    sliced = Sliced(values, [7, 100, 101, 250], [1, 5, 6])
     a, b = workfit.measure(whole, groups), workfit.measure(sliced, groups)
     assert a.every == b.every == every
     for c in workfit.ADJUSTED:

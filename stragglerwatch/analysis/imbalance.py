@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stragglerwatch.analysis import workfit
-from stragglerwatch.analysis.rounds import Rounds, Whole, joined, nanmean_rows, rowsum
+from stragglerwatch.analysis.rounds import Rounds, Whole, joined, nanmean_rows, rowsum, thinned
 from stragglerwatch.analysis.stages import Groups, nanmedian
-from stragglerwatch.analysis.workfit import ADJUSTED
+from stragglerwatch.analysis.workfit import ADJUSTED, fit_every
 
 __all__ = ["ADJUSTED", "Imbalance", "WorkModel", "adjust", "advice", "assess", "basis", "fit", "model"]
 #: Steps with work on at least two ranks of a group needed to fit anything.
@@ -112,23 +112,28 @@ SHAPE_MARGIN = 0.05
 WORK_COLUMNS = ("work", "work_elements")
 
 
-def steps_basis(values: dict[str, np.ndarray], rows: slice, cols: slice) -> dict[str, np.ndarray]:
-    """A step round: per step and count of the work, whether two ranks or more recorded it, the terms of
-    the squared correlation of busy time with it across the ranks, and whether the two counts agree."""
+def steps_basis(values: dict[str, np.ndarray], rows: slice, cols: slice, every: int = 1) -> dict[str, np.ndarray]:
+    """A step round: per step and count of the work, whether two ranks or more recorded it and whether the two
+    counts agree; the terms of the squared correlation of busy time with it across the ranks, on the steps the
+    work fit takes (every ``every``-th of the run; nil on the others)."""
     busy = values["busy_s"]
     out: dict[str, np.ndarray] = {}
+    sub, at = thinned(values, rows, every)
+    taken = np.arange(rows.start, rows.stop) % every == 0
     for name in WORK_COLUMNS:
         w = values.get(name)
+        out[f"{name}:usable"] = (np.isfinite(w).sum(axis=1) if w is not None else np.zeros(len(busy))) >= 2
+        w = sub.get(name)
         if w is None:
-            w = np.full(busy.shape, np.nan)
-        out[f"{name}:usable"] = np.isfinite(w).sum(axis=1) >= 2
-        ok = np.isfinite(busy) & np.isfinite(w)
+            w = np.full(sub["busy_s"].shape, np.nan)
+        ok = np.isfinite(sub["busy_s"]) & np.isfinite(w)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            b, x = np.where(ok, busy, np.nan), np.where(ok, w, np.nan)
+            b, x = np.where(ok, sub["busy_s"], np.nan), np.where(ok, w, np.nan)
             db, dx = b - nanmean_rows(b)[:, None], x - nanmean_rows(x)[:, None]
-            out[f"{name}:sxy"], out[f"{name}:sxx"], out[f"{name}:syy"] = (
-                rowsum(np.nan_to_num(v)) for v in (db * dx, dx * dx, db * db))  # fmt: skip
+            for key, v in (("sxy", db * dx), ("sxx", dx * dx), ("syy", db * db)):
+                out[f"{name}:{key}"] = np.zeros(len(busy))
+                out[f"{name}:{key}"][taken] = rowsum(np.nan_to_num(v))
     w, e = values.get("work"), values.get("work_elements")
     same = np.isnan(w) & np.isnan(e) | (w == e) if w is not None and e is not None else np.zeros(busy.shape, bool)
     out["same"] = same.all(axis=1)
@@ -159,7 +164,7 @@ def basis(values: dict[str, np.ndarray], unit: str) -> Basis | None:
     """:func:`choose` on a whole steps x ranks ``values``: the values with the chosen work as ``work``."""
     if not any(values.get(c) is not None and bool(np.isfinite(values[c]).any()) for c in WORK_COLUMNS):
         return None  # no work recorded (what ``choose`` would find, without the rest of its round)
-    chosen = choose(joined(Whole(values).by_steps(steps_basis)), unit)
+    chosen = choose(joined(Whole(values).by_steps(steps_basis, fit_every(len(values["busy_s"])))), unit)
     if chosen is None:
         return None
     column, unit = chosen

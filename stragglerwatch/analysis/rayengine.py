@@ -48,7 +48,7 @@ from stragglerwatch.analysis.report import (
     host_names,
     work_medians,
 )
-from stragglerwatch.analysis.rounds import joined
+from stragglerwatch.analysis.rounds import joined, thinned
 from stragglerwatch.analysis.stages import (
     Groups,
     HealthyStats,
@@ -132,34 +132,41 @@ def _values(pieces: tuple[dict, ...], axis: int, work: str | None, model: imb.Wo
     return imb.adjust(values, model, groups, rows, cols) if model is not None else values
 
 
-def _on_rows(fn: Callable[..., Any], rows: slice, n_blocks: int, work: str | None, *rest: Any) -> Any:
-    """A step round of ``rounds.py`` on one step part (``rest``: the round's arguments, then the part's pieces)."""
+def _on_rows(fn: Callable[..., Any], rows: slice, n_blocks: int, work: str | None, every: int, *rest: Any) -> Any:
+    """A step round of ``rounds.py`` on one step part (``rest``: the round's arguments, then the part's pieces),
+    on every ``every``-th step of the run."""
     pieces, args = rest[len(rest) - n_blocks :], rest[: len(rest) - n_blocks]
     values = _values(pieces, 1, work, None, Groups([""], [], np.zeros(0, dtype=np.int64)), rows, slice(None))
+    values, rows = thinned(values, rows, every)
     return fn(values, rows, slice(0, values["busy_s"].shape[1]), *args)
 
 
-def _on_cols(fn: Callable[..., Any], cols: slice, n_parts: int, work: str | None, *rest: Any) -> Any:
-    """A rank round of ``rounds.py`` on one rank block."""
+def _on_cols(fn: Callable[..., Any], cols: slice, n_parts: int, work: str | None, every: int, *rest: Any) -> Any:
+    """A rank round of ``rounds.py`` on one rank block, on every ``every``-th step of the run."""
     pieces, args = rest[len(rest) - n_parts :], rest[: len(rest) - n_parts]
     values = _values(pieces, 0, work, None, Groups([""], [], np.zeros(0, dtype=np.int64)), slice(None), cols)
-    return fn(values, slice(0, values["busy_s"].shape[0]), cols, *args)
+    values, rows = thinned(values, slice(0, values["busy_s"].shape[0]), every)
+    return fn(values, rows, cols, *args)
 
 
 class RayRounds:
     """The rounds of ``rounds.py`` as Ray tasks over the loaded step parts and rank blocks."""
 
-    def __init__(self, ray: Any, loads: list, parts: list[slice], blocks: list[slice], work: str | None) -> None:
-        self.ray, self.loads, self.parts, self.blocks, self.work = ray, loads, parts, blocks, work
+    def __init__(self, ray: Any, loads: list, parts: list[slice], blocks: list[slice], work: str | None,
+                 every: int = 1) -> None:  # fmt: skip
+        self.ray, self.loads, self.parts, self.blocks, self.work, self.every = ray, loads, parts, blocks, work, every
         self.rows_task, self.cols_task = ray.remote(_on_rows), ray.remote(_on_cols)
 
+    def thin(self, every: int, columns: tuple[str, ...] = ()) -> RayRounds:
+        return RayRounds(self.ray, self.loads, self.parts, self.blocks, self.work, every)
+
     def by_steps(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        return self.ray.get([self.rows_task.remote(fn, rows, len(self.blocks), self.work, *args,
+        return self.ray.get([self.rows_task.remote(fn, rows, len(self.blocks), self.work, self.every, *args,
                                                    *[ld[1 + p] for ld in self.loads])
                              for p, rows in enumerate(self.parts)])  # fmt: skip
 
     def by_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        return self.ray.get([self.cols_task.remote(fn, cols, len(self.parts), self.work, *args,
+        return self.ray.get([self.cols_task.remote(fn, cols, len(self.parts), self.work, self.every, *args,
                                                    *[ld[1 + p] for p in range(len(self.parts))])
                              for ld, cols in zip(self.loads, self.blocks, strict=True)])  # fmt: skip
 
@@ -301,7 +308,10 @@ def analyze_on_ray(
     cuts = cut_indices(world_cuts(plan.attempts, rank_meta), steps)
     say("work")
     rounds = RayRounds(ray, loads, parts, blocks, None)
-    chosen = imb.choose(joined(rounds.by_steps(imb.steps_basis)), work_unit(path) or "")
+    summaries = ray.get([ld[0] for ld in loads])
+    recorded = any(bool(np.isfinite(w[0]).any()) for sm in summaries for w in sm["work"].values())
+    basis_rows = joined(rounds.by_steps(imb.steps_basis, workfit.fit_every(len(steps)))) if recorded else None
+    chosen = imb.choose(basis_rows, work_unit(path) or "") if basis_rows is not None else None
     work, unit = chosen if chosen is not None else (None, "")
     rounds.work = work
     measured = workfit.measure(rounds, groups) if work is not None else None
@@ -348,7 +358,6 @@ def analyze_on_ray(
     described = ray.get([remote["_describe"].remote(b, steps, ranks, fb, groups, job_ref, cfg, r[1], work, model_ref,
                                                     *[ld[1 + p] for p in range(len(parts))])
                          for b, fb, r, ld in zip(blocks, found_blocks, r1, loads, strict=True)])  # fmt: skip
-    summaries = ray.get([ld[0] for ld in loads])
     thresholds = consistency.thresholds(sc, cfg)
     empty = np.zeros((0, 0))
     result = verdict(ranks, steps, [s for _, d, _ in described for s in d], stats, health, groups, cfg,

@@ -30,6 +30,22 @@ class Rounds(Protocol):
 
     def by_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]: ...
 
+    def thin(self, every: int, columns: tuple[str, ...] = ()) -> Rounds:
+        """The same rounds over every ``every``-th step of the run only (by the steps' index in the run), and
+        the ``columns`` only where given (what the rounds read)."""
+        ...
+
+
+def thinned(values: Values, rows: slice, every: int) -> tuple[Values, slice]:
+    """The steps of ``rows`` whose index in the run is a multiple of ``every``, as views, and where they lie
+    among those steps of the run."""
+    if every == 1:
+        return values, rows
+    first = -(-rows.start // every)
+    last = -(-rows.stop // every)
+    offset = first * every - rows.start
+    return {c: v[offset::every] for c, v in values.items()}, slice(first, last)
+
 
 @dataclass
 class Whole:
@@ -47,6 +63,13 @@ class Whole:
     def by_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         return [fn(self.values, *self._all(), *args)]
 
+    def thin(self, every: int, columns: tuple[str, ...] = ()) -> Whole:
+        if every == 1:
+            return self
+        kept = {c: v for c, v in self.values.items() if not columns or c in columns}
+        rows = thinned(kept, slice(0, len(kept["busy_s"])), every)[0]
+        return Whole({c: np.ascontiguousarray(v) for c, v in rows.items()})
+
 
 def joined(parts: list[Any]) -> Any:
     """The slices' results as one: their arrays (per step, or per rank, first) concatenated, dicts and tuples
@@ -61,18 +84,22 @@ def joined(parts: list[Any]) -> Any:
 
 
 # Sums whose order of additions is fixed by the row (or column) alone, whatever slice of the run holds it:
-# numpy adds a contiguous row pairwise, and a non-contiguous one element by element, so a round's sums are
-# taken over contiguous copies.
+# numpy adds a contiguous row pairwise, and down the columns of a row-major array one row after the other;
+# a round's sums are taken so (over a row-major copy where the array is not).
 
 
 def rowsum(x: np.ndarray) -> np.ndarray:
-    """Per row (step), the sum of ``x``."""
+    """Per row (step), the sum of ``x`` (pairwise along the row)."""
     return np.ascontiguousarray(x).sum(axis=1)
 
 
 def colsum(x: np.ndarray) -> np.ndarray:
-    """Per column (rank), the sum of ``x``."""
-    return np.asfortranarray(x).sum(axis=0)
+    """Per column (rank), the sum of ``x`` (one row after the other)."""
+    if x.ndim == 2 and x.shape[1] == 1:  # a lone column is contiguous: numpy would add it pairwise
+        return np.cumsum(x[:, 0])[-1:] if len(x) else np.zeros(1, dtype=x.dtype)
+    if x.ndim == 2 and x.strides[1] != x.itemsize:  # not row-major
+        x = np.ascontiguousarray(x)
+    return x.sum(axis=0)
 
 
 def nanmean_rows(x: np.ndarray) -> np.ndarray:
@@ -91,7 +118,12 @@ def nanvar_rows(x: np.ndarray) -> np.ndarray:
 
 def nanvar_cols(x: np.ndarray) -> np.ndarray:
     """Per column, the variance of the finite values (NaN where there are none)."""
-    return nanvar_rows(np.ascontiguousarray(x.T))
+    ok = np.isfinite(x)
+    n = ok.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(n > 0, colsum(np.where(ok, x, 0.0)) / np.maximum(n, 1), np.nan)
+        d = np.where(ok, x - mean, 0.0)
+        return np.where(n > 0, colsum(d * d) / np.maximum(n, 1), np.nan)
 
 
 #: Arrays of at least this many cells are cut into chunks that threads reduce at once: bottleneck's and numpy's

@@ -74,18 +74,7 @@ class Measured:
 def y_of(values: dict[str, np.ndarray], column: str) -> np.ndarray:
     """A column as the fit takes it: phases a source does not time are zeros, busy time stays NaN where missing."""
     y = np.asarray(values[column], dtype=np.float64)
-    return y if column == "busy_s" else np.nan_to_num(y)
-
-
-def thinned(values: dict[str, np.ndarray], rows: slice, every: int) -> tuple[dict[str, np.ndarray], slice]:
-    """The steps of ``rows`` the fit takes (those whose index in the run is a multiple of ``every``), as views,
-    and where they lie among the steps it takes."""
-    if every == 1:
-        return values, rows
-    first = -(-rows.start // every)
-    last = -(-rows.stop // every)
-    offset = first * every - rows.start
-    return {c: v[offset::every] for c, v in values.items()}, slice(first, last)
+    return y if column == "busy_s" or not np.isnan(y).any() else np.nan_to_num(y)
 
 
 def _ok(values: dict[str, np.ndarray], rows: slice, rows_ok: np.ndarray) -> np.ndarray:
@@ -125,12 +114,11 @@ def steps_start(values: dict[str, np.ndarray], rows: slice, cols: slice, groups:
 
 
 def steps_level(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups,
-                rows_ok: np.ndarray, every: int,
+rows_ok: np.ndarray,
                 cut: Cut | None, gb: dict[str, tuple[np.ndarray, np.ndarray]] | None
                 ) -> dict[str, np.ndarray]:  # fmt: skip
     """Per column, each group's step level ``c``: the median of its cells (``gb`` None: the start), else the
     mean of ``y - g - b * work`` over them."""
-    values, rows = thinned(values, rows, every)
     ok, w = _ok(values, rows, rows_ok), values["work"]
     out = {}
     for column in ADJUSTED:
@@ -155,10 +143,9 @@ def steps_level(values: dict[str, np.ndarray], rows: slice, cols: slice, groups:
 
 
 def steps_rowmed(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups,
-                rows_ok: np.ndarray, every: int,
+rows_ok: np.ndarray,
                 b0: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # fmt: skip
     """Per column, each group's median of ``y - b0 * work`` in each step (the refit's row centre)."""
-    values, rows = thinned(values, rows, every)
     ok, w = _ok(values, rows, rows_ok), values["work"]
     out = {}
     for column in ADJUSTED:
@@ -168,11 +155,10 @@ def steps_rowmed(values: dict[str, np.ndarray], rows: slice, cols: slice, groups
 
 
 def steps_pooled(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups,
-                rows_ok: np.ndarray, every: int,
+rows_ok: np.ndarray,
                 pick: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:  # fmt: skip
     """Per column, step and group: the cross products of work and ``y`` about the step's means over the
     ``pick``ed ranks' cells (the pooled slope's terms)."""
-    values, rows = thinned(values, rows, every)
     ok = _ok(values, rows, rows_ok) & pick[None, :]
     w = np.where(ok, values["work"], 0.0)
     n_g = len(groups.members)
@@ -194,11 +180,10 @@ def steps_pooled(values: dict[str, np.ndarray], rows: slice, cols: slice, groups
 
 
 def ranks_slope(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups,
-                rows_ok: np.ndarray, every: int,
+rows_ok: np.ndarray,
                 cut: Cut | None, c: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, ...]]:  # fmt: skip
     """Per column and rank, given the step levels ``c``: the slope of ``y - c`` on work (NaN where work never
     varied), the mean of ``y - c`` and the mean work (the offset follows from them)."""
-    values, rows = thinned(values, rows, every)
     ok, w = _ok(values, rows, rows_ok), values["work"]
     gidx = groups.index[cols]
     one = len(groups.members) == 1
@@ -223,12 +208,11 @@ def ranks_slope(values: dict[str, np.ndarray], rows: slice, cols: slice, groups:
 
 
 def ranks_cut(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups,
-                rows_ok: np.ndarray, every: int,
+rows_ok: np.ndarray,
                 b0: dict[str, np.ndarray], rowmed: dict[str, np.ndarray]
               ) -> dict[str, tuple[np.ndarray, ...]]:  # fmt: skip
     """Per column and rank: the median residual, the bound beyond which a cell is left out of the refit
     (inf: none is), and how many cells it keeps of how many."""
-    values, rows = thinned(values, rows, every)
     ok, w = _ok(values, rows, rows_ok), values["work"]
     gidx = groups.index[cols]
     out = {}
@@ -244,10 +228,8 @@ def ranks_cut(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: G
     return out
 
 
-def ranks_within(values: dict[str, np.ndarray], rows: slice, cols: slice, rows_ok: np.ndarray, every: int
-                 ) -> np.ndarray:  # fmt: skip
+def ranks_within(values: dict[str, np.ndarray], rows: slice, cols: slice, rows_ok: np.ndarray) -> np.ndarray:
     """Per rank: the variance of its work across steps."""
-    values, rows = thinned(values, rows, every)
     ok = _ok(values, rows, rows_ok)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -267,14 +249,13 @@ def _fill(new: np.ndarray, groups: Groups) -> np.ndarray:
     return b
 
 
-def _als(rounds: Rounds, groups: Groups, rows_ok: np.ndarray, every: int,
-                fitted: np.ndarray, cut: Cut | None
+def _als(rounds: Rounds, groups: Groups, rows_ok: np.ndarray, fitted: np.ndarray, cut: Cut | None
          ) -> dict[str, np.ndarray]:  # fmt: skip
-    c = joined(rounds.by_steps(steps_level, groups, rows_ok, every, cut, None))
+    c = joined(rounds.by_steps(steps_level, groups, rows_ok, cut, None))
     beta = {column: np.full(len(groups.index), np.nan) for column in ADJUSTED}
     watched = [idx for gi, idx in enumerate(groups.members) if fitted[gi]]
     for _ in range(ITERATIONS):
-        got = joined(rounds.by_ranks(ranks_slope, groups, rows_ok, every, cut, c))
+        got = joined(rounds.by_ranks(ranks_slope, groups, rows_ok, cut, c))
         gb, settled = {}, True
         for column in ADJUSTED:
             new, rm, wm = got[column]
@@ -285,19 +266,26 @@ def _als(rounds: Rounds, groups: Groups, rows_ok: np.ndarray, every: int,
             gb[column] = (np.nan_to_num(rm - b * wm), b)
         if settled:
             break
-        c = joined(rounds.by_steps(steps_level, groups, rows_ok, every, cut, gb))
+        c = joined(rounds.by_steps(steps_level, groups, rows_ok, cut, gb))
     return beta
 
 
+def fit_every(n_steps: int) -> int:
+    """The fit takes every k-th step of a run of ``n_steps``: the least k that leaves at most :data:`FIT_STEPS`."""
+    return max(1, -(-n_steps // FIT_STEPS))
+
+
 def measure(rounds: Rounds, groups: Groups) -> Measured:
-    """Fit every rank's slopes (``rounds`` reach the run's values, with the fitted work as ``work``)."""
+    """Fit every rank's slopes (``rounds`` reach the run's values, with the fitted work as ``work``; the fit's
+    rounds reach every k-th step, :meth:`Rounds.thin`)."""
     start = joined(rounds.by_steps(steps_start, groups))
-    every = max(1, -(-len(start["rows_ok"]) // FIT_STEPS))
+    every = fit_every(len(start["rows_ok"]))
     rows_ok = start["rows_ok"][::every]  # of the steps the fit takes
+    rounds = rounds.thin(every, (*ADJUSTED, "work"))
     n_g = len(groups.members)
     sizes = np.array([len(m) for m in groups.members])
     fitted = (sizes >= 2) & (start["varies"].any(axis=0) if len(rows_ok) else np.zeros(n_g, dtype=bool))
-    within = joined(rounds.by_ranks(ranks_within, rows_ok, every))
+    within = joined(rounds.by_ranks(ranks_within, rows_ok))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         across = np.nanmean(start["across"], axis=0) if len(rows_ok) else np.full(n_g, np.nan)
@@ -305,10 +293,10 @@ def measure(rounds: Rounds, groups: Groups) -> Measured:
     static = fitted & ~(inside > STATIC * across) & (across > 0)
     slopes = {column: np.full(len(groups.index), np.nan) for column in ADJUSTED}
     if (fitted & ~static).any():
-        beta = _als(rounds, groups, rows_ok, every, fitted & ~static, None)
+        beta = _als(rounds, groups, rows_ok, fitted & ~static, None)
         b0 = {column: _fill(beta[column], groups) for column in ADJUSTED}
-        rowmed = joined(rounds.by_steps(steps_rowmed, groups, rows_ok, every, b0))
-        cuts = joined(rounds.by_ranks(ranks_cut, groups, rows_ok, every, b0, rowmed))
+        rowmed = joined(rounds.by_steps(steps_rowmed, groups, rows_ok, b0))
+        cuts = joined(rounds.by_ranks(ranks_cut, groups, rows_ok, b0, rowmed))
         refit = np.zeros((len(ADJUSTED), n_g), dtype=bool)
         for k, column in enumerate(ADJUSTED):
             _, bound, kept, n = cuts[column]
@@ -318,7 +306,7 @@ def measure(rounds: Rounds, groups: Groups) -> Measured:
                     bound[idx] = np.inf
         if refit.any():
             cut = Cut(b0, rowmed, {k: v[0] for k, v in cuts.items()}, {k: v[1] for k, v in cuts.items()})
-            again = _als(rounds, groups, rows_ok, every, refit.any(axis=0), cut)
+            again = _als(rounds, groups, rows_ok, refit.any(axis=0), cut)
             for k, column in enumerate(ADJUSTED):
                 for gi, idx in enumerate(groups.members):
                     if refit[k, gi]:
@@ -332,7 +320,8 @@ def measure(rounds: Rounds, groups: Groups) -> Measured:
 
 def pooled(rounds: Rounds, groups: Groups, measured: Measured, pick: np.ndarray) -> dict[str, np.ndarray]:
     """Per column and group: the slope pooled over the ``pick``ed ranks (NaN where it is not identified)."""
-    sums = joined(rounds.by_steps(steps_pooled, groups, measured.rows_ok, measured.every, pick))
+    fit = rounds.thin(measured.every, (*ADJUSTED, "work"))
+    sums = joined(fit.by_steps(steps_pooled, groups, measured.rows_ok, pick))
     out = {}
     for column in ADJUSTED:
         sxy, sxx = (v.sum(axis=0) for v in sums[column])
