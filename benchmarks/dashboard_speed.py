@@ -102,7 +102,8 @@ def end_to_end(cfg: SimConfig, first: int, flush_steps: int, poll_s: float) -> N
               f"{worst + REFRESH_S:.1f} s at worst")  # fmt: skip
         live = source.live
         kept = sum(a[: rows.n].nbytes for rows in (live.data, live.det) for a in rows.arrays.values())
-        adjusted = sum(a.nbytes for a in live.work.adjusted.values()) if live.work is not None else 0
+        work = live.work
+        adjusted = sum(a[: work.adjusted.n].nbytes for a in work.adjusted.arrays.values()) if work is not None else 0
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         print(f"end-to-end: the followed run's arrays hold {(kept + adjusted) / 1e9:.2f} GB, "
               f"{(kept + adjusted) / (cfg.ranks * cfg.steps):.0f} bytes a record (of which the work-adjusted "

@@ -43,7 +43,7 @@ from stragglerwatch.analysis.rounds import Rounds, Whole, joined, nanmean_rows, 
 from stragglerwatch.analysis.stages import Groups, nanmedian
 from stragglerwatch.analysis.workfit import ADJUSTED, fit_every
 
-__all__ = ["ADJUSTED", "Imbalance", "WorkModel", "adjust", "advice", "assess", "basis", "fit", "model"]
+__all__ = ["ADJUSTED", "Imbalance", "WorkModel", "adjust", "advice", "assess", "basis", "model"]
 #: Steps with work on at least two ranks of a group needed to fit anything.
 MIN_STEPS = 8
 #: Binomial deviations above its fair share of steps a rank must draw the heaviest work in to be named.
@@ -81,7 +81,10 @@ class WorkModel:
     healthy: dict[str, np.ndarray]  # column -> per group
     steps: int
     ref: np.ndarray  # steps x groups: the group's median work in the step (times are adjusted to it)
-    measured: workfit.Measured
+
+
+#: The record's two counts of the work: what the loop counted, and the input's padded shape.
+WORK_COLUMNS = ("work", "work_elements")
 
 
 def usable(work: np.ndarray | None) -> bool:
@@ -97,7 +100,7 @@ def recorded(values: dict[str, np.ndarray]) -> bool:
 def uneven(values: dict[str, np.ndarray]) -> bool:
     """Whether in some step the ranks did different work (by either count): only then can work
     adjust anything (a job of fixed-shape batches records work that never differs)."""
-    for name in ("work", "work_elements"):
+    for name in WORK_COLUMNS:
         w = values.get(name)
         if usable(w):
             with warnings.catch_warnings():
@@ -109,7 +112,6 @@ def uneven(values: dict[str, np.ndarray]) -> bool:
 
 #: How much more of the busy spread the padded shape must explain than the counted work to be used.
 SHAPE_MARGIN = 0.05
-WORK_COLUMNS = ("work", "work_elements")
 
 
 def steps_basis(values: dict[str, np.ndarray], rows: slice, cols: slice, every: int = 1) -> dict[str, np.ndarray]:
@@ -118,7 +120,7 @@ def steps_basis(values: dict[str, np.ndarray], rows: slice, cols: slice, every: 
     work fit takes (every ``every``-th of the run; nil on the others)."""
     busy = values["busy_s"]
     out: dict[str, np.ndarray] = {}
-    sub, at = thinned(values, rows, every)
+    sub, _ = thinned(values, rows, every)
     taken = np.arange(rows.start, rows.stop) % every == 0
     for name in WORK_COLUMNS:
         w = values.get(name)
@@ -162,8 +164,8 @@ def choose(rows: dict[str, np.ndarray], unit: str) -> tuple[str, str] | None:
 
 def basis(values: dict[str, np.ndarray], unit: str) -> Basis | None:
     """:func:`choose` on a whole steps x ranks ``values``: the values with the chosen work as ``work``."""
-    if not any(values.get(c) is not None and bool(np.isfinite(values[c]).any()) for c in WORK_COLUMNS):
-        return None  # no work recorded (what ``choose`` would find, without the rest of its round)
+    if not recorded(values):
+        return None  # what ``choose`` would find, without the rest of its round
     chosen = choose(joined(Whole(values).by_steps(steps_basis, fit_every(len(values["busy_s"])))), unit)
     if chosen is None:
         return None
@@ -201,23 +203,14 @@ def model(rounds: Rounds, groups: Groups, measured: workfit.Measured, healthy: n
             known = np.sort(beta[pick[idx] & np.isfinite(beta)])
             if known.size:
                 healthy_slope[c][gi] = known[(known.size - 1) // 2] if healthy is None else float(np.median(known))
-    return WorkModel(slopes, healthy_slope, measured.steps, measured.ref, measured)
+    return WorkModel(slopes, healthy_slope, measured.steps, measured.ref)
 
 
-def fit(values: dict[str, np.ndarray], groups: Groups, healthy: np.ndarray | None = None) -> WorkModel:
-    """:func:`model` of a whole steps x ranks ``values`` (``work``: the fitted work)."""
-    rounds = Whole(values)
-    return model(rounds, groups, workfit.measure(rounds, groups), healthy)
-
-
-def step_reference(w: np.ndarray, groups: Groups, how: str = "median") -> np.ndarray:
-    """Per step and rank, the median (or mean) work of the rank's group in that step."""
+def step_mean(w: np.ndarray, groups: Groups) -> np.ndarray:
+    """Per step and rank, the mean of ``w`` over the rank's group in that step."""
     ref = np.full_like(w, np.nan)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        for idx in groups.members:
-            col = nanmedian(w[:, idx], axis=1) if how == "median" else nanmean_rows(w[:, idx])
-            ref[:, idx] = col[:, None]
+    for idx in groups.members:
+        ref[:, idx] = nanmean_rows(w[:, idx])[:, None]
     return ref
 
 
@@ -264,7 +257,7 @@ def steps_cost(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: 
     w, busy = values["work"], values["busy_s"]
     ok = np.isfinite(w) & np.isfinite(busy)
     rows2 = ok.sum(axis=1) >= 2
-    mean_w = step_reference(w, groups, "mean")
+    mean_w = step_mean(w, groups)
     b = slope[None, :]
     real = np.where(ok, busy, -np.inf)
     even = np.where(ok, _even_busy(busy, w, mean_w, b, ok, terms, share, tail_share), -np.inf)
@@ -274,7 +267,7 @@ def steps_cost(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: 
     wv = np.where(used, w, np.nan)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        db = bv - step_reference(bv, groups, "mean")
+        db = bv - step_mean(bv, groups)
         mean = nanmean_rows(wv)
         top_w, low_w = np.nanmax(wv, axis=1), np.nanmin(wv, axis=1)
     empty = np.zeros(len(busy))

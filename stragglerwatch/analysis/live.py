@@ -25,6 +25,7 @@ and detection moves on from where it was instead of starting over.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -166,15 +167,15 @@ class _Rows:
 
 @dataclass
 class _Work:
-    """The work model a followed run is adjusted with, fitted when the run had ``steps`` steps, and the
-    values adjusted with it (the rows read since adjusted as they came)."""
+    """The work model a followed run is adjusted with, fitted when the run had ``steps`` steps (its ``ref``
+    extended to every step read since), and the values adjusted with it (the rows read since adjusted as
+    they came)."""
 
     column: str
     unit: str
     model: imb.WorkModel
     steps: int
-    ref: np.ndarray  # steps x groups: the group's median work, every step read
-    adjusted: dict[str, np.ndarray]  # ``imbalance.ADJUSTED`` columns, every step read
+    adjusted: _Rows  # ``imbalance.ADJUSTED`` columns, every step read
     imbalance: imb.Imbalance | None = None
 
 
@@ -484,7 +485,8 @@ class LiveRun:
         if not self.uneven:
             return mat.values, lo
         work = self.work
-        if work is None or n >= (1.0 + self.regrow) * work.steps or len(work.ref) < lo:
+        shapes = {c: ((len(self.ranks),), np.float64, np.nan) for c in workfit.ADJUSTED}
+        if work is None or n >= (1.0 + self.regrow) * work.steps or len(work.model.ref) < lo:
             chosen = imb.basis(mat.values, mat.work_unit)
             if chosen is None:
                 self.uneven = False
@@ -493,22 +495,20 @@ class LiveRun:
             rounds = Whole(raw)
             healthy = None if self.never is None or len(self.never) != len(self.ranks) else self.never
             model = imb.model(rounds, g, workfit.measure(rounds, g), healthy)
-            adjusted = imb.adjust(raw, model, g)
-            self.work = _Work(column, unit, model, n, model.ref, {c: adjusted[c] for c in workfit.ADJUSTED})
-            return {**mat.values, **self.work.adjusted}, 0
-        rows = slice(lo, n)
-        w = mat.values[work.column]
-        ref = np.stack([nanmedian(w[rows][:, idx], axis=1) for idx in g.members], axis=1)
-        work.ref = np.concatenate([work.ref[:lo], ref])
-        model = imb.WorkModel(work.model.slopes, work.model.healthy, work.model.steps, work.ref, work.model.measured)
-        part = imb.adjust({**{c: mat.values[c][rows] for c in workfit.ADJUSTED}, "work": w[rows]}, model, g, rows)
+            self.work = work = _Work(column, unit, model, n, _Rows())
+            rows = slice(0, n)
+            part = imb.adjust(raw, model, g)
+        else:
+            rows = slice(lo, n)
+            w = mat.values[work.column]
+            ref = np.concatenate([work.model.ref[:lo], workfit.group_medians(w[rows], g)])
+            work.model = dataclasses.replace(work.model, ref=ref)
+            part = imb.adjust({**{c: mat.values[c][rows] for c in workfit.ADJUSTED}, "work": w[rows]}, work.model, g,
+                              rows)  # fmt: skip
+        work.adjusted.grow(n, shapes)
         for c in workfit.ADJUSTED:
-            if len(work.adjusted[c]) < n:
-                grown = np.full((n, len(self.ranks)), np.nan, dtype=work.adjusted[c].dtype)
-                grown[: len(work.adjusted[c])] = work.adjusted[c][: len(grown)]
-                work.adjusted[c] = grown
-            work.adjusted[c][rows] = part[c]
-        return {**mat.values, **{c: a[:n] for c, a in work.adjusted.items()}}, lo
+            work.adjusted.arrays[c][rows] = part[c]
+        return {**mat.values, **{c: a[:n] for c, a in work.adjusted.arrays.items()}}, rows.start
 
     def _figures(self, mat: StepMatrix, result: Verdict) -> RankFigures:
         """The report's per-rank figures, one column's medians brought up to date an update (each
@@ -540,7 +540,7 @@ class LiveRun:
 
 def _uneven_rows(values: dict[str, np.ndarray], lo: int) -> bool:
     """Whether in some step from row ``lo`` on the ranks did different work (by either count)."""
-    return imb.uneven({c: values[c][lo:] for c in ("work", "work_elements") if c in values})
+    return imb.uneven({c: values[c][lo:] for c in imb.WORK_COLUMNS if c in values})
 
 
 def read_new(f: Path, state: _File, problem: Callable[[pa.Schema], str | None]) -> pa.Table | None:

@@ -114,10 +114,10 @@ def _load(files: list[str], plan: runmatrix.StepPlan, ranks: np.ndarray, parts: 
     return (summary, *cut)
 
 
-def _values(pieces: tuple[dict, ...], axis: int, work: str | None, model: imb.WorkModel | None, groups: Groups,
-            rows: slice, cols: slice) -> dict[str, np.ndarray]:  # fmt: skip
+def _joined(pieces: tuple[dict, ...], axis: int, work: str | None) -> dict[str, np.ndarray]:
     """The pieces of a step part (side by side, ``axis`` 1) or of a rank block (one after the other, 0) as
-    one, the fitted work (``work``: its column, None: none) as ``work``, adjusted for it where ``model``."""
+    one, the fitted work (``work``: its column, None: none) as ``work``."""
+
     def column(c: str) -> np.ndarray:
         if all(c not in p for p in pieces):
             shape = [p["busy_s"].shape for p in pieces]
@@ -129,6 +129,13 @@ def _values(pieces: tuple[dict, ...], axis: int, work: str | None, model: imb.Wo
     values = {c: column(c) for c in PIECE_COLUMNS}
     if work is not None:
         values["work"] = values[work]
+    return values
+
+
+def _values(pieces: tuple[dict, ...], axis: int, work: str | None, model: imb.WorkModel | None, groups: Groups,
+            rows: slice, cols: slice) -> dict[str, np.ndarray]:  # fmt: skip
+    """:func:`_joined`, adjusted for the work where ``model`` (the run's ``rows`` and ``cols``)."""
+    values = _joined(pieces, axis, work)
     return imb.adjust(values, model, groups, rows, cols) if model is not None else values
 
 
@@ -136,16 +143,15 @@ def _on_rows(fn: Callable[..., Any], rows: slice, n_blocks: int, work: str | Non
     """A step round of ``rounds.py`` on one step part (``rest``: the round's arguments, then the part's pieces),
     on every ``every``-th step of the run."""
     pieces, args = rest[len(rest) - n_blocks :], rest[: len(rest) - n_blocks]
-    values = _values(pieces, 1, work, None, Groups([""], [], np.zeros(0, dtype=np.int64)), rows, slice(None))
-    values, rows = thinned(values, rows, every)
+    values, rows = thinned(_joined(pieces, 1, work), rows, every)
     return fn(values, rows, slice(0, values["busy_s"].shape[1]), *args)
 
 
 def _on_cols(fn: Callable[..., Any], cols: slice, n_parts: int, work: str | None, every: int, *rest: Any) -> Any:
     """A rank round of ``rounds.py`` on one rank block, on every ``every``-th step of the run."""
     pieces, args = rest[len(rest) - n_parts :], rest[: len(rest) - n_parts]
-    values = _values(pieces, 0, work, None, Groups([""], [], np.zeros(0, dtype=np.int64)), slice(None), cols)
-    values, rows = thinned(values, slice(0, values["busy_s"].shape[0]), every)
+    joined_values = _joined(pieces, 0, work)
+    values, rows = thinned(joined_values, slice(0, joined_values["busy_s"].shape[0]), every)
     return fn(values, rows, cols, *args)
 
 
@@ -307,13 +313,13 @@ def analyze_on_ray(
              for fs, b in zip(block_files, blocks, strict=True)]  # fmt: skip
     cuts = cut_indices(world_cuts(plan.attempts, rank_meta), steps)
     say("work")
-    rounds = RayRounds(ray, loads, parts, blocks, None)
     summaries = ray.get([ld[0] for ld in loads])
     recorded = any(bool(np.isfinite(w[0]).any()) for sm in summaries for w in sm["work"].values())
-    basis_rows = joined(rounds.by_steps(imb.steps_basis, workfit.fit_every(len(steps)))) if recorded else None
+    basis_rows = (joined(RayRounds(ray, loads, parts, blocks, None).by_steps(imb.steps_basis, workfit.fit_every(
+        len(steps)))) if recorded else None)  # fmt: skip
     chosen = imb.choose(basis_rows, work_unit(path) or "") if basis_rows is not None else None
     work, unit = chosen if chosen is not None else (None, "")
-    rounds.work = work
+    rounds = RayRounds(ray, loads, parts, blocks, work)
     measured = workfit.measure(rounds, groups) if work is not None else None
     model = imb.model(rounds, groups, measured) if measured is not None else None
 
@@ -365,8 +371,7 @@ def analyze_on_ray(
     result.healthy = never
     if model is not None:
         say("imbalance")
-        with_model = RayRounds(ray, loads, parts, blocks, work)
-        im = result.imbalance = imb.assess(with_model, model, groups, straggling(result, ranks), ranks,
+        im = result.imbalance = imb.assess(rounds, model, groups, straggling(result, ranks), ranks,
                                            result.job_seconds, cfg.imbalance_min_slowdown, unit, work)  # fmt: skip
         add_imbalance(result, im)
     if described:

@@ -33,7 +33,7 @@ from stragglerwatch.analysis.codeprofile import locate, needed_ranks
 from stragglerwatch.analysis.detect import MATRIX_COLUMNS, STAGES, StepMatrix, Verdict, detect, matrix_from_columns
 from stragglerwatch.analysis.explain import StepTimes, explain, prepare, span, span_values
 from stragglerwatch.analysis.hangs import hangs_from_events
-from stragglerwatch.analysis.imbalance import Imbalance
+from stragglerwatch.analysis.imbalance import Imbalance, recorded
 from stragglerwatch.analysis.imbalance import advice as imbalance_advice
 from stragglerwatch.analysis.jittertax import host_deviations, project_hosts
 from stragglerwatch.analysis.policy import actions_from_events
@@ -288,8 +288,8 @@ def analyze_run(
     values = runmatrix.fill(files, plan, plan.ranks, tick)
     start = values.pop("start_time")
     rank_meta = read_rank_meta(path)
-    measured = any(bool(np.isfinite(values[c]).any()) for c in ("work", "work_elements") if c in values)
-    mat = StepMatrix(plan.ranks, plan.steps, values, work_unit=(work_unit(path) or "") if measured else "",
+    unit = (work_unit(path) or "") if recorded(values) else ""  # a run without work: no file read again for it
+    mat = StepMatrix(plan.ranks, plan.steps, values, work_unit=unit,
                      cuts=world_cuts(plan.attempts, rank_meta))  # fmt: skip
     times = step_times(mat.steps, start, mat.values["step_s"])
     del start

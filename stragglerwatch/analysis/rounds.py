@@ -141,25 +141,24 @@ def workers() -> int:
     return max(1, min(4, cores))
 
 
+def _in_chunks(fn: Callable[[np.ndarray], np.ndarray], a: np.ndarray, along: int, out_axis: int) -> np.ndarray:
+    """``fn`` of ``a`` on chunks cut ``along`` an axis, in threads; their results joined along ``out_axis``."""
+    k = workers()
+    if a.ndim != 2 or a.size < PARALLEL_CELLS or k < 2 or a.shape[along] < 2 * k:
+        return fn(a)
+    edges = np.linspace(0, a.shape[along], k + 1).astype(int)
+    chunks = [a[lo:hi] if along == 0 else a[:, lo:hi] for lo, hi in zip(edges, edges[1:], strict=False)]
+    with ThreadPoolExecutor(k) as pool:
+        return np.concatenate(list(pool.map(fn, chunks)), axis=out_axis)
+
+
 def by_columns(fn: Callable[[np.ndarray], np.ndarray], a: np.ndarray, out_axis: int = 0) -> np.ndarray:
     """``fn`` of a 2-D array whose results are each column's own (a reduction over rows, a moving statistic
     down the columns), on column chunks in threads; the chunks' results joined along ``out_axis``."""
-    k = workers()
-    if a.ndim != 2 or a.size < PARALLEL_CELLS or k < 2 or a.shape[1] < 2 * k:
-        return fn(a)
-    edges = np.linspace(0, a.shape[1], k + 1).astype(int)
-    with ThreadPoolExecutor(k) as pool:
-        parts = list(pool.map(fn, [a[:, lo:hi] for lo, hi in zip(edges, edges[1:], strict=False)]))
-    return np.concatenate(parts, axis=out_axis)
+    return _in_chunks(fn, a, 1, out_axis)
 
 
 def by_rows(fn: Callable[[np.ndarray], np.ndarray], a: np.ndarray) -> np.ndarray:
     """``fn`` of a 2-D array whose results are each row's own (a reduction over columns), on row chunks in
     threads."""
-    k = workers()
-    if a.ndim != 2 or a.size < PARALLEL_CELLS or k < 2 or a.shape[0] < 2 * k:
-        return fn(a)
-    edges = np.linspace(0, a.shape[0], k + 1).astype(int)
-    with ThreadPoolExecutor(k) as pool:
-        parts = list(pool.map(fn, [a[lo:hi] for lo, hi in zip(edges, edges[1:], strict=False)]))
-    return np.concatenate(parts, axis=0)
+    return _in_chunks(fn, a, 0, 0)

@@ -102,15 +102,19 @@ def steps_start(values: dict[str, np.ndarray], rows: slice, cols: slice, groups:
     rows_ok = ok.sum(axis=1) >= 2
     ok &= rows_ok[:, None]
     n_g = len(groups.members)
-    across, varies, ref = (np.full((len(w), n_g), np.nan) for _ in range(3))
+    across, varies = np.full((len(w), n_g), np.nan), np.full((len(w), n_g), np.nan)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for gi, idx in enumerate(groups.members):
             wg = np.where(ok[:, idx], w[:, idx], np.nan)
             across[:, gi] = nanvar_rows(wg)
             varies[:, gi] = np.nanmax(wg, axis=1) > np.nanmin(wg, axis=1)
-            ref[:, gi] = nanmedian(w[:, idx], axis=1)
-    return {"rows_ok": rows_ok, "across": across, "varies": varies == 1, "ref": ref}
+    return {"rows_ok": rows_ok, "across": across, "varies": varies == 1, "ref": group_medians(w, groups)}
+
+
+def group_medians(w: np.ndarray, groups: Groups) -> np.ndarray:
+    """Steps x groups: each group's median work in each step (what times are adjusted to)."""
+    return np.stack([nanmedian(w[:, idx], axis=1) for idx in groups.members], axis=1)
 
 
 def steps_level(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups,
