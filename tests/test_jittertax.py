@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from stragglerwatch.analysis.detect import detect
-from stragglerwatch.analysis.jittertax import expected_max, project
+from stragglerwatch.analysis.jittertax import expected_max, expected_maxes, project
 from stragglerwatch.record.simulate import SimConfig, to_frame
 
 NOISE = dict(step_ms=250.0, comm_ms=10.0, noise=0.01, drift=0.002, spike_prob=0.0, offset=0.002, host_noise=0.004,
@@ -18,6 +18,19 @@ def test_expected_max_of_draws_from_sorted_values() -> None:
     assert expected_max(values, 1) == pytest.approx(4.5)  # one draw: the mean
     assert expected_max(values, 2) == pytest.approx(sum(x * ((x + 1) ** 2 - x**2) for x in range(10)) / 100)
     assert expected_max(values, 10_000) == pytest.approx(9.0, abs=1e-6)  # many: the largest
+
+
+@pytest.mark.parametrize("n", [7, 5000, 300_000])
+def test_expected_maxes_of_a_resample_look_only_at_the_top_and_lose_nothing(n: int) -> None:
+    """A resample's counts (zeros among them) on a heavy-tailed pool: the expected maxima from the top of the
+    pool equal the textbook sum over every value, for a few draws (most of the pool counts) and many."""
+    rng = np.random.default_rng(n)
+    values = np.sort(np.abs(rng.standard_t(3, n)))
+    counts = rng.poisson(1.0, n)
+    share = np.cumsum(counts) / counts.sum()
+    for draws in (1.0, 3.0, 40.0, 5000.0):
+        every = float(np.dot(share**draws - np.concatenate(([0.0], share[:-1])) ** draws, values))
+        assert expected_maxes(values, counts, [draws])[0] == pytest.approx(every, rel=1e-9)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

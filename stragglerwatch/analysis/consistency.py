@@ -321,11 +321,18 @@ AT_NOISE, AT_CLASSIC = 1, 2
 
 def round3(state: BlockState, sc: Scalars, cfg: DetectConfig) -> np.ndarray:
     """Steps x ranks uint8 flags of one block: :data:`AT_NOISE` | :data:`AT_CLASSIC` bits (0: not flagged)."""
-    levels = [sc, sc.at_classic()] if sc.two_floors() else [sc]
-    out = [advance(state, x, cfg, Carry.fresh(state.e.shape[1]), 0, len(state.e))
+    levels = floor_levels(sc)
+    r = state.e.shape[1]
+    both = advance(state, levels, cfg, Carry.fresh(r * len(levels)), 0, len(state.e))
+    out = [both[:, i * r : (i + 1) * r]
            | intermittent_flags(state.e, costly(state.costly, x), x.block_noise, x.floors, cfg, x.ranks)
-           for x in levels]  # fmt: skip
+           for i, x in enumerate(levels)]  # fmt: skip
     return bits(out[0], out[-1])
+
+
+def floor_levels(sc: Scalars) -> list[Scalars]:
+    """The scalars the rule runs at: the run's noise floor, and the fixed floor where that lies below it."""
+    return [sc, sc.at_classic()] if sc.two_floors() else [sc]
 
 
 def bits(at_noise: np.ndarray, at_classic: np.ndarray) -> np.ndarray:
@@ -339,9 +346,45 @@ def costly(cost: np.ndarray, sc: Scalars) -> np.ndarray:
         return cost > sc.floors.step_fraction
 
 
+@dataclass
+class _Levels:
+    """What the rule's step needs of each floor level, one value per column of the levels side by side (the
+    columns of level ``i`` are ``i * ranks ... (i + 1) * ranks - 1``): the floors' arithmetic is the same,
+    element for element, as one level's alone."""
+
+    delta: np.ndarray
+    fraction: np.ndarray
+    tolerance: np.ndarray
+    k: np.ndarray  # (2, columns): the CUSUMs' reference values
+    h: np.ndarray  # (2, columns): their alarm levels
+    cap: np.ndarray
+    persist: np.ndarray
+    glr: np.ndarray  # columns where the level GLR runs (``_level_glr``)
+    glr_any: bool
+
+    @classmethod
+    def of(cls, levels: list[Scalars], cfg: DetectConfig, r: int, cost_dtype: np.dtype) -> _Levels:
+        def each(values: list[float]) -> np.ndarray:
+            return np.repeat(np.asarray(values, dtype=np.float64), r)
+
+        delta = [x.floors.slowdown for x in levels]
+        kh = [alarm_levels(x, cfg) for x in levels]
+        # the short median must be clearly above the baseline: half the smallest change, or two of its
+        # standard errors where noise makes that larger
+        persist = [max(d / 2.0, 2.0 * 1.2533 * x.noise / np.sqrt(cfg.window))
+                   for d, x in zip(delta, levels, strict=True)]  # fmt: skip
+        glr = each([float(x.noise >= x.floors.slowdown) for x in levels]) > 0
+        fraction = each([x.floors.step_fraction for x in levels]).astype(cost_dtype)  # compared as one level's
+        return cls(each(delta), fraction,
+                   each([x.floors.tolerance for x in levels]),
+                   np.stack([each([ks[i] for _, ks, _ in kh]) for i in range(2)]),
+                   np.stack([each([hs[i] for _, _, hs in kh]) for i in range(2)]),
+                   each([x.cap(cfg) for x in levels]), each(persist), glr, bool(glr.any()))  # fmt: skip
+
+
 def advance(
     state: BlockState,
-    sc: Scalars,
+    levels: list[Scalars],
     cfg: DetectConfig,
     carry: Carry,
     start: int,
@@ -349,49 +392,51 @@ def advance(
     checkpoints: dict[int, Carry] | None = None,
     every: int = 256,
 ) -> np.ndarray:
-    """Flags of steps ``start:stop`` from ``carry`` (the state after step ``start - 1``, updated in
-    place); with ``checkpoints``, a copy of the state before each step that is a multiple of
-    ``every`` (where a followed run resumes from)."""
-    e, cost, med, level = state.e, state.costly, state.med, state.level
-    n_ranks = e.shape[1]
-    delta, w, fraction = sc.floors.slowdown, cfg.window, sc.floors.step_fraction
-    _, ks, hs = alarm_levels(sc, cfg)
-    cap, skew = sc.cap(cfg), sc.skew
-    # the short median must be clearly above the baseline: half the smallest change, or two of its
-    # standard errors where noise makes that larger
-    persist = max(delta / 2.0, 2.0 * 1.2533 * sc.noise / np.sqrt(w))
-    out = np.zeros((max(0, stop - start), n_ranks), dtype=bool)
+    """Flags of steps ``start:stop`` at each of ``levels`` (:func:`floor_levels`), side by side: steps x
+    (levels x ranks), level after level, from ``carry`` (the state after step ``start - 1``, as many columns,
+    updated in place); with ``checkpoints``, a copy of the state before each step that is a multiple of
+    ``every`` (where a followed run resumes from). The levels run in one pass: a step costs the same few
+    dozen array operations for both."""
+    n_ranks, n_levels = state.e.shape[1], len(levels)
+    sc = levels[0]  # noise, skew and variance are the run's, whatever the floor
+    p = _Levels.of(levels, cfg, n_ranks, state.costly.dtype)
+    delta, fraction, cap, skew = p.delta, p.fraction, p.cap, sc.skew
+    half_delta, size_bar, off = delta / 2.0, 0.75 * delta, delta * cfg.off_ratio
+    glr_var = 2.0 * cfg.decision * max(sc.variance, sc.noise**2)
+    out = np.zeros((max(0, stop - start), n_ranks * n_levels), dtype=bool)
     c = carry
     lo = start
     for s in range(start, stop):
         if checkpoints is not None and s % every == 0:
             checkpoints[s] = c.copy()
         if s == start or s % _CHUNK == 0:
-            lo = s
-            trailing, margin, bars = _baselines(state, sc, cfg, s, min((s // _CHUNK + 1) * _CHUNK, stop))
-        frozen = c.on | (c.cusum[0] > hs[0] / 2)
+            lo, hi = s, min((s // _CHUNK + 1) * _CHUNK, stop)
+            base = [_baselines(state, x, cfg, lo, hi) for x in levels]
+            trailing, margin, bars = (np.concatenate([b[i] for b in base], axis=1) for i in range(3))
+            e_all, m_all, lev_all, cost_all = (np.tile(a[lo:hi], (1, n_levels)) for a in
+                                               (state.e, state.med, state.level, state.costly))  # fmt: skip
+        i = s - lo
+        e_s, m, lev, lev_bar = e_all[i], m_all[i], lev_all[i], bars[i]
+        frozen = c.on | (c.cusum[0] > p.h[0] / 2)
         fresh = ~(frozen & np.isfinite(c.base))
-        c.base = np.where(fresh, trailing[s - lo], c.base)
-        c.unsure = np.where(fresh, margin[s - lo], c.unsure)
-        score = np.clip(e[s] - c.base, -cap, cap) - skew
+        c.base = np.where(fresh, trailing[i], c.base)
+        c.unsure = np.where(fresh, margin[i], c.unsure)
+        score = np.clip(e_s - c.base, -cap, cap) - skew
         seen = np.isfinite(score)
-        alarm = np.zeros(n_ranks, dtype=bool)
-        for i, (k, hi) in enumerate(zip(ks, hs, strict=True)):
-            c.cusum[i] = np.where(seen, np.maximum(0.0, c.cusum[i] + (score - k - c.unsure)), c.cusum[i])
-            alarm |= c.cusum[i] >= hi
+        c.cusum = np.where(seen, np.maximum(0.0, c.cusum + (score - p.k - c.unsure)), c.cusum)
+        alarm = (c.cusum >= p.h).any(axis=0)
         restart = seen & (c.cusum[0] == 0.0)
         c.run_n = np.where(restart, 0.0, c.run_n + seen)
         c.run_sum = np.where(restart, 0.0, c.run_sum + np.where(seen, score, 0.0))
-        m, lev, lev_bar = med[s], level[s], bars[s - lo]
-        level_off = (sc.floors.tolerance + lev_bar) / 2.0  # below it, a level flag clears (hysteresis)
-        certain = _level_glr(c, e[s], lev, trailing[s - lo], sc, cfg)
+        level_off = (p.tolerance + lev_bar) / 2.0  # below it, a level flag clears (hysteresis)
+        certain = _level_glr(c, e_s, lev, trailing[i], p, skew, glr_var) if p.glr_any else False
         with np.errstate(invalid="ignore", divide="ignore"):
             # the change's size: its mean since the CUSUM rose (the maximum-likelihood estimate), and
             # the median of the last ``window`` steps (persistence: most recent steps are slow)
             size = c.run_sum / c.run_n
-            change = alarm & (size >= 0.75 * delta) & (m - c.base >= persist) & (m >= delta / 2)
-            slow = (change | (lev >= lev_bar) | (certain & (m >= delta))) & (cost[s] > fraction)
-            near = (m - c.base < delta * cfg.off_ratio) | (m < delta * cfg.off_ratio)
+            change = alarm & (size >= size_bar) & (m - c.base >= p.persist) & (m >= half_delta)
+            slow = (change | (lev >= lev_bar) | (certain & (m >= delta))) & (cost_all[i] > fraction)
+            near = (m - c.base < off) | (m < off)
             back = np.where(np.isfinite(c.base), near, m < level_off) & ~(lev >= level_off)
         gap = np.isnan(m)  # too few steps in the window (a rank missing rows): no evidence either way
         c.run_on = np.where(gap, c.run_on, np.where(slow, c.run_on + 1, 0))
@@ -401,15 +446,17 @@ def advance(
         c.on = (c.on & ~cleared) | rising
         # a flag the level GLR raised, long after the onset: the baseline to come back to is the one from before
         # its run of excess began (the recent one holds the change itself)
-        c.base = np.where(rising & certain & (c.above_base < c.base), c.above_base, c.base)
-        c.cusum[:, cleared] = 0.0
-        c.above[cleared], c.above_n[cleared] = 0.0, 0.0
+        if p.glr_any:
+            c.base = np.where(rising & certain & (c.above_base < c.base), c.above_base, c.base)
+        if cleared.any():
+            c.cusum[:, cleared] = 0.0
+            c.above[cleared], c.above_n[cleared] = 0.0, 0.0
         out[s - start] = c.on
     return out
 
 
-def _level_glr(c: Carry, e: np.ndarray, lev: np.ndarray, base: np.ndarray, sc: Scalars, cfg: DetectConfig
-               ) -> np.ndarray:  # fmt: skip
+def _level_glr(c: Carry, e: np.ndarray, lev: np.ndarray, base: np.ndarray, p: _Levels, skew: float,
+               glr_var: float) -> np.ndarray:  # fmt: skip
     """The level test of a change of any size (a generalised likelihood ratio; ``c`` updated in place): the
     excess over the tolerance, summed since that sum was last at its lowest, is ``decision`` nats certain to
     be above it, and its mean is at least the smallest change (a flag also needs the last ``window`` steps
@@ -417,19 +464,16 @@ def _level_glr(c: Carry, e: np.ndarray, lev: np.ndarray, base: np.ndarray, sc: S
     Where the per-step noise is larger than the smallest change (a few ranks with variable work on a shared
     host), the CUSUMs, tuned to that change and held back by a rank's uncertain own baseline, take hundreds of
     steps to find a change several times larger, which this test, against the peers, finds as soon as it is
-    certain. Below that noise it is not used: the CUSUMs are quick there, and this test would add flags on
-    ranks that drift a little above the tolerance for a while."""
-    f = sc.floors
-    if sc.noise < f.slowdown:  # the CUSUMs find every change of the floor within a few dozen steps
-        return np.zeros(e.shape, dtype=bool)
+    certain. Below that noise it is not used (``p.glr`` false): the CUSUMs are quick there, and this test
+    would add flags on ranks that drift a little above the tolerance for a while."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        x = np.clip(e, -sc.cap(cfg), sc.cap(cfg)) - sc.skew - f.tolerance
-        seen = np.isfinite(x) & np.isfinite(lev)  # from the level median's first steps on, as the level test
+        x = np.clip(e, -p.cap, p.cap) - skew - p.tolerance
+        seen = np.isfinite(x) & np.isfinite(lev) & p.glr  # from the level median's first steps on, as the level test
         c.above = np.where(seen, np.maximum(0.0, c.above + np.where(seen, x, 0.0)), c.above)
         c.above_n = np.where(seen, np.where(c.above > 0.0, c.above_n + 1.0, 0.0), c.above_n)
-        c.above_base = np.where(c.above_n == 1.0, base, c.above_base)
-        certain = c.above**2 >= 2.0 * cfg.decision * max(sc.variance, sc.noise**2) * c.above_n
-        return (c.above_n > 0) & certain & (c.above / c.above_n + f.tolerance >= f.slowdown)
+        c.above_base = np.where((c.above_n == 1.0) & p.glr, base, c.above_base)
+        certain = c.above**2 >= glr_var * c.above_n
+        return (c.above_n > 0) & p.glr & certain & (c.above / c.above_n + p.tolerance >= p.delta)
 
 
 def thresholds(sc: Scalars, cfg: DetectConfig) -> dict[str, float]:

@@ -18,6 +18,7 @@ the run has values, the run's largest deviation bounds it and the projection say
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -64,20 +65,39 @@ def expected_max(sorted_values: np.ndarray, draws: float) -> float:
 
 def expected_maxes(sorted_values: np.ndarray, counts: np.ndarray, draws: list[float]) -> list[float]:
     """The expected largest of each of ``draws`` independent draws from the (sorted) values, each value
-    ``counts`` times (a resample's multiset of a sorted pool, without sorting it again): a value's weight
-    is ``F^M - (F - p)^M`` at its cumulative share ``F`` and own share ``p``. Only the values whose weight
-    can exceed :data:`NEGLIGIBLE` are raised to the power (the top ones, for many draws)."""
-    total = float(counts.sum())
-    if total <= 0:
+    ``counts`` times (a resample's multiset of a sorted pool, without sorting it again)."""
+    counts = np.asarray(counts)
+    return top_maxes(sorted_values, lambda k: counts[len(counts) - k :], float(counts.sum()), draws)
+
+
+def top_maxes(sorted_values: np.ndarray, top_counts: Callable[[int], np.ndarray], total: float,
+              draws: list[float]) -> list[float]:  # fmt: skip
+    """:func:`expected_maxes` with the counts of the top ``k`` values given by ``top_counts(k)`` (of ``total``
+    in all): a value's weight is ``F^M - (F - p)^M`` at its cumulative share ``F`` and own share ``p``, and only
+    the values whose weight can exceed :data:`NEGLIGIBLE` count (the top ones, fewer the more draws), so
+    only the top of the pool is looked at, from the largest down, until its lowest share lies below that."""
+    n = len(sorted_values)
+    if total <= 0 or not n:
         return [float("nan")] * len(draws)
-    keep = counts > 0
-    x, c = sorted_values[keep], counts[keep].astype(np.float64)
-    upper = np.cumsum(c) / total
+    fewest = min((m for m in draws if m > 0), default=0.0)
+    bar = NEGLIGIBLE ** (1.0 / fewest) if fewest > 0 else 0.0
+    k = min(n, int(n * (1.0 - bar) * 1.25) + 4096)  # where the shares would lie with equal counts
+    while True:
+        c = top_counts(k).astype(np.float64)
+        upper = (total - c.sum() + np.cumsum(c)) / total  # the top k's cumulative shares
+        if k == n or upper[0] < bar:  # every value below the top k weighs nothing
+            break
+        k = min(n, 4 * k)
     lower = np.maximum(upper - c / total, 0.0)
+    x = sorted_values[n - k :]
+    first = int(np.searchsorted(upper, bar))
+    with np.errstate(divide="ignore"):
+        log_upper = np.log(upper[first:])  # F^M as exp(M log F): one logarithm for every M
     out = []
     for m in draws:
-        start = int(np.searchsorted(upper, NEGLIGIBLE ** (1.0 / m))) if m > 0 else 0
-        w = upper[start:] ** m - lower[start:] ** m
+        start = max(first, int(np.searchsorted(upper, NEGLIGIBLE ** (1.0 / m)))) if m > 0 else first
+        cum = np.exp(m * log_upper[start - first :])  # F^M; a value's (F - p)^M is the one below's F^M
+        w = np.diff(cum, prepend=lower[start] ** m if start < k else 0.0)
         out.append(float(np.dot(w, x[start:])))
     return out
 
@@ -130,10 +150,12 @@ def project_hosts(per_host: np.ndarray, ranks: int, busy_share: float, seed: int
     points = expected_maxes(pool, np.ones(len(pool)), draws)
     picks = [rng.integers(0, n_blocks, size=n_blocks) for _ in range(RESAMPLES)]
 
+    sizes = np.bincount(block_of, minlength=n_blocks + 1)
+
     def resample(pick: np.ndarray) -> list[float]:
         times = np.bincount(pick, minlength=n_blocks + 1)
         times[n_blocks] = 0  # the steps after the last whole block: in the point, not the resamples
-        return expected_maxes(pool, times[block_of], draws)
+        return top_maxes(pool, lambda k: times[block_of[len(pool) - k :]], float(np.dot(times, sizes)), draws)
 
     with ThreadPoolExecutor(workers()) as threads:  # numpy's loops release the interpreter lock
         samples = list(threads.map(resample, picks))

@@ -60,6 +60,7 @@ from stragglerwatch.analysis.report import (
     RankFigures,
     empty_analysis,
     finish,
+    jitter_projection,
     last_steps,
     step_times,
 )
@@ -204,7 +205,7 @@ class LiveRun:
         self.det = _Rows()
         self.sc: cons.Scalars | None = None
         self.sc_steps = 0
-        self.checkpoints: list[dict[int, cons.Carry]] = [{}, {}]  # at the noise floor, at the fixed floor
+        self.checkpoints: dict[int, cons.Carry] = {}  # the rule's state before every 256th step, at every floor
         self.never: np.ndarray | None = None
         self.unit = ""  # what the records' work counts, once known
         self.uneven = False  # some step's ranks did different work (sticky)
@@ -214,6 +215,7 @@ class LiveRun:
         self.turn = 0
         self.context: pd.DataFrame | None = None
         self.context_at = 0.0
+        self.jitter_at: tuple[float, dict | None] | None = None  # when the jitter tax was projected, and it
         self.settling = False
         self.previous: tuple[StepMatrix, Verdict, StepTimes] | None = None
         self.others: tuple = ()
@@ -310,7 +312,7 @@ class LiveRun:
             self.data.arrays[col] = grown
         self.ranks = ranks
         self.det, self.sc, self.sc_steps, self.never = _Rows(), None, 0, None
-        self.checkpoints = [{}, {}]
+        self.checkpoints = {}
         return 0
 
     def _scatter(self, table: pa.Table) -> int | None:
@@ -386,7 +388,14 @@ class LiveRun:
             warnings.simplefilter("ignore", RunDirWarning)
             return finish(self.run_dir, self.figures, found, self.rank_meta, times, last_steps(mat), plan,  # type: ignore[arg-type]
                           Analysis(None, mat, found), context=self.context, config=self.cfg,
-                          collectives=self.collectives)  # type: ignore[arg-type]  # fmt: skip
+                          collectives=self.collectives, jitter=self._jitter)  # type: ignore[arg-type]  # fmt: skip
+
+    def _jitter(self, found: Verdict, figures: RankFigures, rank_meta: dict[int, dict]) -> dict | None:
+        """The jitter tax, projected again at most every ``slow_every_s`` (it resamples every step of the
+        healthy ranks) and when the run settles."""
+        if self.settling or self.jitter_at is None or time.monotonic() - self.jitter_at[0] >= self.slow_every_s:
+            self.jitter_at = (time.monotonic(), jitter_projection(found, figures, rank_meta))
+        return self.jitter_at[1]
 
     def _follow(self, lo: int) -> Analysis:
         """The analysis after the rows from ``lo`` on changed (frozen scalars, resumed rule)."""
@@ -425,15 +434,13 @@ class LiveRun:
             # the steps before ``lo`` keep the flags the earlier scalars gave them until the run settles
             self.sc, self.sc_steps = self._scalars(state), n
         sc = self.sc
-        levels = [sc, sc.at_classic()] if sc.two_floors() else [sc]
-        at = max((k for k in self.checkpoints[0] if k <= lo and all(k in c for c in self.checkpoints[: len(levels)])),
-                 default=0)  # fmt: skip
-        for i, (x, name) in enumerate(zip(levels, ("flags", "classic"), strict=False)):
-            carry = self.checkpoints[i][at].copy() if at in self.checkpoints[i] else cons.Carry.fresh(r)
-            self.checkpoints[i] = {k: c for k, c in self.checkpoints[i].items() if k <= at}
-            d[name][at:n] = cons.advance(state, x, cfg, carry, at, n, self.checkpoints[i])  # type: ignore[arg-type]
-        if len(levels) == 1:
-            d["classic"][at:n] = d["flags"][at:n]
+        levels = cons.floor_levels(sc)
+        width = r * len(levels)  # the carries hold the levels side by side (``consistency.advance``)
+        self.checkpoints = {k: c for k, c in self.checkpoints.items() if k <= lo and c.on.size == width}
+        at = max(self.checkpoints, default=0)
+        carry = self.checkpoints[at].copy() if at in self.checkpoints else cons.Carry.fresh(width)
+        both = cons.advance(state, levels, cfg, carry, at, n, self.checkpoints)
+        d["flags"][at:n], d["classic"][at:n] = both[:, :r], both[:, width - r :]
         # the intermittent test looks at whole blocks of the history: OR-ed here, not kept in the carry
         at_floor = [d[name][:n] | intermittent_flags(d["e"][:n], cons.costly(d["costly"][:n], x), x.block_noise,
                                                      x.floors, cfg, x.ranks)
@@ -477,8 +484,10 @@ class LiveRun:
 
     def _worked(self, mat: StepMatrix, g: Groups, lo: int) -> tuple[dict[str, np.ndarray], int]:
         """The values the detection follows, and the first row that changed: the read values, or where the
-        ranks did different work, adjusted with the frozen work model (fitted again, and every row from the
-        first on changed, once the run has grown by ``regrow``)."""
+        ranks did different work, adjusted with the work model of the last fit: the rows from ``lo`` on are
+        adjusted with it; once the run has grown by ``regrow`` it is fitted again and the new rows adjusted
+        with the new fit, the rows before them keeping the adjustment they were followed with (as the flags
+        keep their scalars) until the run settles."""
         n = len(mat.steps)
         if not self.uneven:
             self.uneven = _uneven_rows(mat.values, lo)
@@ -486,7 +495,9 @@ class LiveRun:
             return mat.values, lo
         work = self.work
         shapes = {c: ((len(self.ranks),), np.float64, np.nan) for c in workfit.ADJUSTED}
-        if work is None or n >= (1.0 + self.regrow) * work.steps or len(work.model.ref) < lo:
+        if work is not None and len(work.model.ref) < lo:  # rows the model never saw: adjust them all again
+            lo = 0
+        if work is None or n >= (1.0 + self.regrow) * work.steps:
             chosen = imb.basis(mat.values, mat.work_unit)
             if chosen is None:
                 self.uneven = False
@@ -495,20 +506,19 @@ class LiveRun:
             rounds = Whole(raw)
             healthy = None if self.never is None or len(self.never) != len(self.ranks) else self.never
             model = imb.model(rounds, g, workfit.measure(rounds, g), healthy)
-            self.work = work = _Work(column, unit, model, n, _Rows())
-            rows = slice(0, n)
-            part = imb.adjust(raw, model, g)
-        else:
-            rows = slice(lo, n)
-            w = mat.values[work.column]
-            ref = np.concatenate([work.model.ref[:lo], workfit.group_medians(w[rows], g)])
-            work.model = dataclasses.replace(work.model, ref=ref)
-            part = imb.adjust({**{c: mat.values[c][rows] for c in workfit.ADJUSTED}, "work": w[rows]}, work.model, g,
-                              rows)  # fmt: skip
+            if work is None or work.column != column:  # the first fit, or another count of the work: every row
+                lo = 0
+            self.work = work = _Work(column, unit, model, n, work.adjusted if work is not None and lo else _Rows())
+        rows = slice(lo, n)
+        w = mat.values[work.column]
+        ref = np.concatenate([work.model.ref[:lo], workfit.group_medians(w[rows], g)])
+        work.model = dataclasses.replace(work.model, ref=ref)
+        part = imb.adjust({**{c: mat.values[c][rows] for c in workfit.ADJUSTED}, "work": w[rows]}, work.model, g,
+                          rows)  # fmt: skip
         work.adjusted.grow(n, shapes)
         for c in workfit.ADJUSTED:
             work.adjusted.arrays[c][rows] = part[c]
-        return {**mat.values, **{c: a[:n] for c, a in work.adjusted.arrays.items()}}, rows.start
+        return {**mat.values, **{c: a[:n] for c, a in work.adjusted.arrays.items()}}, lo
 
     def _figures(self, mat: StepMatrix, result: Verdict) -> RankFigures:
         """The report's per-rank figures, one column's medians brought up to date an update (each

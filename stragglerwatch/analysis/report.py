@@ -131,7 +131,10 @@ def build_report(
     context: pd.DataFrame | None = None,
     step_times: StepTimes | None = None,
     code: pd.DataFrame | None = None,
+    jitter: Callable[[Verdict, RankFigures, dict[int, dict]], dict | None] | None = None,
 ) -> Report:
+    """The typed report of a detected run; ``jitter``: what gives its jitter tax (default
+    :func:`jitter_projection`; the live path reuses a recent one)."""
     world = int(run_meta["world_size"]) if run_meta else len(figures.ranks)
     hosts = {r: m.get("host") for r, m in rank_meta.items()}
     unavailable = busy_unavailable(rank_meta)
@@ -187,7 +190,7 @@ def build_report(
     )
     report.lost_split = None if unavailable else lost_split(verdict)
     report.unpaired = unpaired(figures.ranks, roles)
-    report.jitter_tax = None if unavailable else jitter_projection(verdict, figures, rank_meta)
+    report.jitter_tax = None if unavailable else (jitter or jitter_projection)(verdict, figures, rank_meta)
     if unavailable:  # every figure that compares busy times would be a guess
         report.ideal_seconds = report.job_slowdown = report.lost_seconds = report.lost_gpu_seconds = None
         report.communication_bound = report.comm_fraction = None
@@ -315,10 +318,11 @@ def finish(
     context: pd.DataFrame | None = None,
     config: DetectConfig | None = None,
     collectives: CollectiveReader | None = None,
+    jitter: Callable[[Verdict, RankFigures, dict[int, dict]], dict | None] | None = None,
 ) -> Analysis:
     """The report of a detected run (every engine): the arrival order at the collectives (read by
     ``collectives``, or from the run dir), context (``context``, or the run dir's), hangs, events,
-    attempts."""
+    attempts; ``jitter``: as :func:`build_report`'s."""
     run_meta = read_run_meta(path)
     world_size(path, run_meta, set(plan.ranks.tolist()))  # warns of ranks that recorded nothing
     context = load_context(path) if context is None else context
@@ -328,7 +332,8 @@ def finish(
     if adjusted is not None:
         figures, analysis.matrix, analysis.verdict = RankFigures.of(adjusted, verdict), adjusted, verdict
     code = load_code(path, needed_ranks(verdict.stragglers, plan.ranks.tolist(), roles)) if verdict.stragglers else None
-    report = build_report(figures, verdict, run_meta, rank_meta, context if len(context) else None, times, code)
+    report = build_report(figures, verdict, run_meta, rank_meta, context if len(context) else None, times, code,
+                          jitter)  # fmt: skip
     report.run_dir = str(path)
     report.arrivals = arrival
     events, bad = read_events(path)

@@ -9,7 +9,7 @@ A change that removes or retypes a field raises the schema's version.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 REPORT_SCHEMA = "stragglerwatch-report/2"
@@ -253,8 +253,15 @@ _OPTIONAL = {"arrivals", "lost_split", "jitter_tax", "run_dir", "events", "attem
 
 
 def _plain(value: Any) -> Any:
+    """``value`` as plain lists and dicts, its dataclasses as dicts of their fields (as ``asdict`` gives, without
+    its deep copies of every value: a report of thousands of ranks is converted at every live update)."""
     if isinstance(value, list):
         return [_plain(v) for v in value]
-    if hasattr(value, "__dataclass_fields__"):
-        return asdict(value)
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    names = getattr(type(value), "__dataclass_fields__", None)
+    if names is not None:
+        return {name: _plain(getattr(value, name)) for name in names}
     return value
