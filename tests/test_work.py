@@ -17,8 +17,9 @@ from fake_cuda import install
 from torch import nn
 
 import stragglerwatch
+from stragglerwatch.analysis import runmatrix
 from stragglerwatch.record.schema import STEP_SCHEMA
-from stragglerwatch.record.steplog import work_unit
+from stragglerwatch.record.steplog import most_common_unit, run_files, work_unit
 from stragglerwatch.runtime.capture.devices import CaptureGate, CudaMarks
 from stragglerwatch.runtime.capture.probes import StepProbe
 from stragglerwatch.runtime.capture.shadows import time_as_forward
@@ -269,7 +270,16 @@ def test_note_work_replaces_the_count_and_bad_values_are_ignored(tmp_path: Path,
     assert df["work"].tolist() == [100.0, 5.0, 6.0, 7.0]
     assert df["work_unit"].tolist() == ["tokens", "samples", "tokens", "tokens"]
     assert df["work_elements"].tolist() == [20.0] * 4, "the shapes' count, whatever the loop noted"
-    assert work_unit(tmp_path / "run") == "tokens"
+    assert work_unit(tmp_path / "run") == "tokens" == _units_read_with_the_values(tmp_path / "run")
+
+
+def _units_read_with_the_values(run: Path) -> str | None:
+    """The unit the analysis counts as it reads the values (``runmatrix.fill``), in one read of each file."""
+    _, _, files = run_files(run)
+    plan = runmatrix.plan([runmatrix.scan_file(f) for f in files])
+    units: dict[str, int] = {}
+    runmatrix.fill(files, plan, plan.ranks, units=units)
+    return most_common_unit(units)
 
 
 def test_the_run_dir_carries_work_and_a_1_3_log_reads_unmeasured(tmp_path: Path) -> None:
@@ -294,6 +304,7 @@ def test_the_run_dir_carries_work_and_a_1_3_log_reads_unmeasured(tmp_path: Path)
     assert df["work_elements"].isna().all()
     assert list(df.columns)[-4:] == ["work", "work_unit", "work_elements", "world_size"]
     assert work_unit(run) is None and work_unit(tmp_path / "missing") is None
+    assert _units_read_with_the_values(run) is None
     assert STEP_SCHEMA.metadata[b"stragglerwatch.schema_version"] == b"1.4"
 
 

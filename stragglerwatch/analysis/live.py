@@ -11,13 +11,15 @@ and detection moves on from where it was instead of starting over.
   them (every 256 steps). Its job-wide scalars (noise, skew, variance, offset spread) are
   re-estimated from every step of up to 256 ranks when the run has grown by ``regrow`` (10%) since
   they were; the flags of earlier steps keep the scalars they were given with until the run
-  settles. The per-rank medians of the table are brought up to date one column an update, the
-  host context at most every ``slow_every_s``.
+  settles. The per-rank medians of the table are brought up to date one column an update.
 - **Work.** Where the ranks did different work, the detection follows times adjusted for it
   (``imbalance``) with the work model fitted when the run was last ``regrow`` smaller: new rows are
-  adjusted with it, and when the run has grown by ``regrow`` it is fitted again on every step, every
-  row adjusted again and the detection redone from the first step (so an update's cost stays that of
-  its new rows, but for one in about ten). The imbalance verdict is the one of that fit.
+  adjusted with it, and when the run has grown by ``regrow`` it is fitted again (``workfit``: on at most
+  2,048 of its steps) and the new rows are adjusted with the new fit; the rows before them keep the
+  adjustment they were followed with, as their flags keep their scalars, until the run settles. The
+  imbalance verdict is the one of the last fit.
+- **Slow figures.** The host context and the jitter tax (a resampling of every healthy step) are
+  brought up to date at most every ``slow_every_s``.
 - **Settling.** When an update finds nothing new and the verdict was not computed from all of the
   data at once, the run is analysed whole (``detect``, as ``analyze`` does): the verdict of a
   finished run is ``analyze``'s, exactly.

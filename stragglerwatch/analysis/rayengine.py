@@ -68,7 +68,7 @@ from stragglerwatch.analysis.thresholds import DetectConfig
 from stragglerwatch.analysis.workfit import ADJUSTED
 from stragglerwatch.record.rundir import read_rank_meta
 from stragglerwatch.record.schema import GAP_COLUMNS
-from stragglerwatch.record.steplog import RunDirWarning, run_files, work_unit
+from stragglerwatch.record.steplog import RunDirWarning, most_common_unit, run_files
 
 #: Ranks x steps records of one step part.
 PART_RECORDS = 1 << 22
@@ -101,8 +101,10 @@ def _scan(files: list[str]) -> tuple[list[runmatrix.FileScan | None], list[str]]
 
 def _load(files: list[str], plan: runmatrix.StepPlan, ranks: np.ndarray, parts: list[slice]) -> tuple:
     """A rank block's arrays: its ranks' figures, then one slice per step part."""
-    values = runmatrix.fill([Path(f) for f in files], plan, ranks)
+    units: dict[str, int] = {}
+    values = runmatrix.fill([Path(f) for f in files], plan, ranks, units=units)
     summary = {
+        "units": units,
         "medians": rank_medians(values, RANK_COLUMNS),
         "steps": np.sum(~np.isnan(values["busy_s"]), axis=0),
         "last": last_rows(values["busy_s"]),
@@ -317,7 +319,10 @@ def analyze_on_ray(
     recorded = any(bool(np.isfinite(w[0]).any()) for sm in summaries for w in sm["work"].values())
     basis_rows = (joined(RayRounds(ray, loads, parts, blocks, None).by_steps(imb.steps_basis, workfit.fit_every(
         len(steps)))) if recorded else None)  # fmt: skip
-    chosen = imb.choose(basis_rows, work_unit(path) or "") if basis_rows is not None else None
+    units: dict[str, int] = {}
+    for unit, n in ((u, n) for sm in summaries for u, n in sm["units"].items()):
+        units[unit] = units.get(unit, 0) + n
+    chosen = imb.choose(basis_rows, most_common_unit(units) or "") if basis_rows is not None else None
     work, unit = chosen if chosen is not None else (None, "")
     rounds = RayRounds(ray, loads, parts, blocks, work)
     measured = workfit.measure(rounds, groups) if work is not None else None

@@ -59,7 +59,7 @@ from stragglerwatch.record.context import load_context
 from stragglerwatch.record.events import read_events
 from stragglerwatch.record.rundir import read_rank_meta, read_run_meta, where_ran
 from stragglerwatch.record.schema import PHASE_COLUMNS
-from stragglerwatch.record.steplog import run_files, work_unit, world_size
+from stragglerwatch.record.steplog import most_common_unit, run_files, world_size
 
 #: The per-rank medians of the report's ``ranks`` rows.
 RANK_COLUMNS = ("step_s", "busy_s", "comm_wait_s", *PHASE_COLUMNS)
@@ -288,10 +288,11 @@ def analyze_run(
         scans.append(runmatrix.scan_file(f))
         tick()
     plan = runmatrix.plan(scans)
-    values = runmatrix.fill(files, plan, plan.ranks, tick)
+    units: dict[str, int] = {}
+    values = runmatrix.fill(files, plan, plan.ranks, tick, units)
     start = values.pop("start_time")
     rank_meta = read_rank_meta(path)
-    unit = (work_unit(path) or "") if recorded(values) else ""  # a run without work: no file read again for it
+    unit = (most_common_unit(units) or "") if recorded(values) else ""
     mat = StepMatrix(plan.ranks, plan.steps, values, work_unit=unit,
                      cuts=world_cuts(plan.attempts, rank_meta))  # fmt: skip
     times = step_times(mat.steps, start, mat.values["step_s"])

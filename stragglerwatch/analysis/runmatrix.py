@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from stragglerwatch.record.rundir import MAX_RANKS
 from stragglerwatch.record.schema import GAP_COLUMNS, PHASE_COLUMNS, schema_compatible
-from stragglerwatch.record.steplog import read_log
+from stragglerwatch.record.steplog import count_units, read_log
 
 ID_COLUMNS = ["rank", "step", "restart", "attach"]
 FLOAT64_COLUMNS = ("busy_s", "step_s", "comm_wait_s", "start_time", "work", "work_elements")
@@ -173,10 +173,9 @@ def _expand(spans: list[np.ndarray]) -> np.ndarray:
     return np.concatenate([np.arange(a, b + 1, dtype=np.int64) for a, b in merged])
 
 
-def _read_ahead(files: Iterable[Path], ahead: int = 32) -> Iterator[pa.Table | None]:
-    """The files' tables in order, read by a few threads ahead of the caller (Arrow reads
+def _read_ahead(files: Iterable[Path], names: list[str], ahead: int = 32) -> Iterator[pa.Table | None]:
+    """The files' tables (columns ``names``) in order, read by a few threads ahead of the caller (Arrow reads
     without holding the interpreter lock)."""
-    names = [*ID_COLUMNS, *VALUE_COLUMNS]
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         pending: deque[Future[pa.Table | None]] = deque()
         for f in files:
@@ -198,14 +197,17 @@ def fill(
     step_plan: StepPlan,
     ranks: np.ndarray,
     progress: Callable[[], None] | None = None,
+    units: dict[str, int] | None = None,
 ) -> dict[str, np.ndarray]:
     """Pass 3: ``steps x len(ranks)`` arrays of ``VALUE_COLUMNS`` from ``files`` (rows of other
-    ranks, and rows written after the scan, are left out). NaN where a rank has no record."""
+    ranks, and rows written after the scan, are left out). NaN where a rank has no record. With
+    ``units``, the ``work_unit`` of the rows kept is counted into it (``steplog.count_units``) in the same read."""
     steps = step_plan.steps
     out = empty_values(len(steps), len(ranks))
     known = np.array(sorted(step_plan.offsets), dtype=np.int64)
     shift = np.array([step_plan.offsets[k] for k in known], dtype=np.int64)
-    for table in _read_ahead(files):
+    names = [*ID_COLUMNS, *VALUE_COLUMNS, *(["work_unit"] if units is not None else [])]
+    for table in _read_ahead(files, names):
         if progress:
             progress()
         if table is None or not known.size or not len(steps) or not len(ranks):
@@ -218,6 +220,8 @@ def fill(
         rank = table["rank"].to_numpy()
         ri = np.minimum(np.searchsorted(ranks, rank), len(ranks) - 1)
         ok &= (steps[si] == step) & (ranks[ri] == rank)
+        if units is not None:
+            count_units(table["work_unit"] if ok.all() else table["work_unit"].filter(pa.array(ok)), units)
         si, ri = si[ok], ri[ok]
         run = bool(ok.all()) and si.size and ri[0] == ri[-1] and si[-1] - si[0] == si.size - 1 and (
             si.size < 2 or bool(np.all(np.diff(si) == 1)))  # fmt: skip

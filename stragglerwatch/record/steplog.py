@@ -316,10 +316,18 @@ def work_unit(run_dir: str | os.PathLike[str]) -> str | None:
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:  # Arrow reads without the GIL
         read = list(pool.map(_units, log_files(path)))
     for units in read:
-        if units is None:
-            continue
-        for row in pc.value_counts(units).to_pylist():
-            unit = row["values"]
-            if unit:
-                counts[unit] = counts.get(unit, 0) + row["counts"]
+        if units is not None:
+            count_units(units, counts)
+    return most_common_unit(counts)
+
+
+def count_units(units: pa.Array | pa.ChunkedArray, counts: dict[str, int]) -> None:
+    """Add the non-empty values of a ``work_unit`` column to ``counts``."""
+    for row in pc.value_counts(units).to_pylist():
+        if row["values"]:
+            counts[row["values"]] = counts.get(row["values"], 0) + row["counts"]
+
+
+def most_common_unit(counts: dict[str, int]) -> str | None:
+    """The unit most records named (:func:`count_units`), the greater name on a tie; None: none named one."""
     return max(counts, key=lambda u: (counts[u], u)) if counts else None
