@@ -110,6 +110,46 @@ def test_ray_gives_the_local_report_on_variable_work(tmp_path, cluster, monkeypa
     assert on_ray == local
 
 
+def _collectives(run: Path, ranks: int, late: int, from_step: int) -> None:
+    """``collectives-NNNNN.jsonl`` of tensor-parallel pairs (2k, 2k + 1), two collectives a step; rank ``late``
+    enters each 30 ms after its partner from step ``from_step`` on (its partner waits for it)."""
+    t = pq.read_table(run / "rank-00000.parquet")
+    start, step_s = t["start_time"].to_numpy(), t["step_s"].to_numpy()
+    for r in range(ranks):
+        rows = []
+        for k, (t0, dt) in enumerate(zip(start.tolist(), step_s.tolist(), strict=True)):
+            for i, at in enumerate((0.2, 0.6)):
+                created = t0 + at * dt + (0.03 if r == late and k >= from_step else 0.0)
+                rows.append([0, 2 * k + i + 1, int(created * 1e9), 1, "all_reduce"])
+        line = {"groups": [f"tp{r // 2}"], "rows": rows}
+        (run / f"collectives-{r:05d}.jsonl").write_text(json.dumps(line) + "\n")
+
+
+@pytest.mark.parametrize("unseen", [False, True])
+def test_ray_gives_the_local_arrival_order(tmp_path, cluster, monkeypatch, unseen):
+    """Collectives recorded: the arrival order section, and where a rank said collectives ran unseen (compiled
+    code), the busy time less the unseen waits detected again: the same report on both engines."""
+    monkeypatch.setattr(consistency, "BLOCK_RECORDS", 300 * 5)  # 4 rank blocks
+    monkeypatch.setattr(rayengine, "PART_RECORDS", 16 * 70)  # 5 step parts
+    run = tmp_path / "run"
+    write_run(run, SimConfig(ranks=16, steps=300, seed=7, injections=[Injection(6, 0.2, 100, "compute")]))
+    _collectives(run, 16, late=6, from_step=100)
+    if unseen:
+        for r in range(16):
+            meta = json.loads((run / f"rank-{r:05d}.json").read_text())
+            meta["coverage"] = ["compiled regions: collectives inside them are not bracketed"]
+            (run / f"rank-{r:05d}.json").write_text(json.dumps(meta))
+    local = _report(analyze_run(run))
+    arrivals = local["arrivals"]
+    assert arrivals["groups_compared"] == 8 and arrivals["busy_adjusted"] == unseen
+    last = {x["rank"]: x["last_share"] for x in arrivals["ranks"]}
+    assert last[6] > 0.6 > last[7], "rank 6 enters its pair's collectives last from step 100 on"
+    assert [s["rank"] for s in local["stragglers"]] == [6]
+    on_ray = _report(rayengine.analyze_on_ray(run, address=cluster))
+    assert on_ray["arrivals"] == arrivals
+    assert on_ray == local
+
+
 def test_cli_engine_ray_at_an_address(tmp_path, cluster):
     run = tmp_path / "run"
     write_run(run, SimConfig(ranks=8, steps=300, seed=3, injections=[Injection(6, 0.2, 100, "data")]))

@@ -66,6 +66,7 @@ from stragglerwatch.analysis.stages import (
 )
 from stragglerwatch.analysis.thresholds import DetectConfig
 from stragglerwatch.analysis.workfit import ADJUSTED
+from stragglerwatch.record.collectives import collective_files
 from stragglerwatch.record.rundir import read_rank_meta
 from stragglerwatch.record.schema import GAP_COLUMNS
 from stragglerwatch.record.steplog import RunDirWarning, most_common_unit, run_files
@@ -393,7 +394,36 @@ def analyze_on_ray(
     last = {int(r): int(steps[i]) for r, i in zip(ranks.tolist(), last_idx.tolist(), strict=True) if i >= 0}
     times = (steps, np.concatenate([t[0] for _, t in stats_times]), np.concatenate([t[1] for _, t in stats_times]))
     mat = StepMatrix(ranks, steps, {})
-    return finish(path, figures, result, rank_meta, times, last, plan, Analysis(None, mat, result))  # type: ignore[arg-type]
+    seen = _arrival_matrix(ray, path, files, plan, rank_meta, loads, unit, say)
+    return finish(path, figures, result, rank_meta, times, last, plan, Analysis(None, mat, result),  # type: ignore[arg-type]
+                  config=cfg, seen=seen)  # fmt: skip
+
+
+def _arrival_matrix(ray: Any, path: Path, files: list[Path], plan: runmatrix.StepPlan, rank_meta: dict[int, dict],
+                    loads: list, unit: str, say: Callable[[str], None]) -> StepMatrix | None:  # fmt: skip
+    """What the arrival check (``report.arrival_check``) reads, where the ranks recorded their collectives:
+    the exposed communication of every step and rank, gathered from the step parts; where some rank said that
+    collectives ran where no bracket sees them, the busy time less the unseen waits is detected again, on the
+    whole matrix, read here as the local engine reads it (the driver then holds every record)."""
+    if not collective_files(path):
+        return None
+    ranks, steps = plan.ranks, plan.steps
+    if any(m.get("coverage") for m in rank_meta.values()):
+        say("arrivals: collectives ran unseen; reading every record on the driver to detect again")
+        values = runmatrix.fill(files, plan, ranks)
+        values.pop("start_time")
+        return StepMatrix(ranks, steps, values, work_unit=unit, cuts=world_cuts(plan.attempts, rank_meta))
+    say("arrivals")
+    pick = ray.remote(_pick)
+    parts = len(loads[0]) - 1 if loads else 0
+    rows = [np.concatenate(ray.get([pick.remote(ld[1 + p], "comm_wait_s") for ld in loads]), axis=1)
+            for p in range(parts)]  # fmt: skip
+    return StepMatrix(ranks, steps, {"comm_wait_s": np.concatenate(rows, axis=0)})
+
+
+def _pick(piece: dict[str, np.ndarray], column: str) -> np.ndarray:
+    """One column of a piece (NaN where its block never recorded it)."""
+    return piece[column] if column in piece else np.full(piece["busy_s"].shape, np.nan, dtype=np.float32)
 
 
 def _concat_stats(parts: list[StepStats]) -> StepStats:

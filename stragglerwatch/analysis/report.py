@@ -320,16 +320,19 @@ def finish(
     config: DetectConfig | None = None,
     collectives: CollectiveReader | None = None,
     jitter: Callable[[Verdict, RankFigures, dict[int, dict]], dict | None] | None = None,
+    seen: StepMatrix | None = None,
 ) -> Analysis:
     """The report of a detected run (every engine): the arrival order at the collectives (read by
     ``collectives``, or from the run dir), context (``context``, or the run dir's), hangs, events,
-    attempts; ``jitter``: as :func:`build_report`'s."""
+    attempts; ``jitter``: as :func:`build_report`'s; ``seen``: the matrix the arrival check reads (default: the
+    analysis's; the Ray engine gathers what it needs of it only where the ranks recorded collectives)."""
     run_meta = read_run_meta(path)
     world_size(path, run_meta, set(plan.ranks.tolist()))  # warns of ranks that recorded nothing
     context = load_context(path) if context is None else context
     roles = {r: m.get("role") for r, m in rank_meta.items()}
     found = collectives.read() if collectives is not None else load_collectives(path)
-    verdict, adjusted, arrival = arrival_check(found, verdict, times, rank_meta, roles, analysis.matrix, config)
+    verdict, adjusted, arrival = arrival_check(found, verdict, times, rank_meta, roles,
+                                               analysis.matrix if seen is None else seen, config)  # fmt: skip
     if adjusted is not None:
         figures, analysis.matrix, analysis.verdict = RankFigures.of(adjusted, verdict), adjusted, verdict
     code = load_code(path, needed_ranks(verdict.stragglers, plan.ranks.tolist(), roles)) if verdict.stragglers else None
