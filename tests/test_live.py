@@ -106,3 +106,32 @@ def test_a_run_with_uneven_work_is_followed_not_analysed_again(tmp_path, monkeyp
     monkeypatch.undo()
     assert live.update() and live.exact  # nothing new: it settles on the whole run
     assert _same(live, tmp_path / "run")
+
+
+def test_an_intermittent_straggler_is_followed_with_the_blocks_kept(tmp_path):
+    """The block test of intermittent stragglers looks at every whole block of the history; a followed run keeps
+    the blocks' means and costs and makes again only those from the first changed row: at every update its
+    flags are those of the test on the whole history, and it names the loader-starved rank."""
+    import numpy as np
+
+    from stragglerwatch.analysis import consistency as cons
+    from stragglerwatch.analysis.intermittent import intermittent_flags
+
+    cfg = SimConfig(ranks=16, steps=900, seed=2, injections=[Injection(3, 1.0, 200, "data", period=4, duty=1)])
+    run = GrowingRun(tmp_path / "run", cfg)
+    live = LiveRun(tmp_path / "run")
+    fired = False
+    for upto in range(100, 901, 37):  # flushes that end inside blocks
+        run.flush(upto)
+        assert live.update()
+        d, n = live.det.arrays, live.det.n
+        means, top = live.blocks.arrays["means"][: n // 8], live.blocks.arrays["top"][: n // 8]
+        for x in cons.floor_levels(live.sc):
+            whole = intermittent_flags(d["e"][:n], cons.costly(d["costly"][:n], x), x.block_noise, x.floors, live.cfg,
+                                       x.ranks)  # fmt: skip
+            with np.errstate(invalid="ignore"):
+                kept = intermittent_flags(d["e"][:n], None, x.block_noise, x.floors, live.cfg, x.ranks,
+                                          (means, top > x.floors.step_fraction))  # fmt: skip
+            assert np.array_equal(kept, whole)
+            fired |= bool(whole[:, 3].any())
+    assert fired and (3, "data") in _flagged(live)

@@ -76,18 +76,31 @@ def block_bar(noise: float, floors: Floors, cfg: DetectConfig) -> float:
     return max(floors.slowdown, floors.tolerance + cfg.z * noise)
 
 
-def intermittent_flags(e: np.ndarray, costly: np.ndarray, noise: float, floors: Floors, cfg: DetectConfig,
-                       ranks: int) -> np.ndarray:  # fmt: skip
+def block_costs(cost: np.ndarray) -> np.ndarray:
+    """Per block and rank, the largest share of its step an excess was (``stages.step_stage``'s cost; NaN: none
+    known): a block holds a costly step where this is above the floor's share."""
+    n, r = cost.shape
+    return np.fmax.reduce(cost[: (n // BLOCK) * BLOCK].reshape(n // BLOCK, BLOCK, r), axis=1)
+
+
+def intermittent_flags(e: np.ndarray, costly: np.ndarray | None, noise: float, floors: Floors, cfg: DetectConfig,
+                       ranks: int, blocks: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:  # fmt: skip
     """Steps x ranks bool: the steps of each rank's flagged block stretches. ``costly``: steps x ranks bool,
-    the excess a noticeable share of the step. ``ranks``: the job's (a job of one rank has no peers)."""
+    the excess a noticeable share of the step. ``ranks``: the job's (a job of one rank has no peers).
+    ``blocks``: the whole blocks' :func:`block_means` and whether each holds a costly step, where known
+    already (a followed run keeps them), instead of ``e``'s and ``costly``'s."""
     n, r = e.shape
     out = np.zeros((n, r), dtype=bool)
     bar = block_bar(noise, floors, cfg)
     if ranks < 2 or n // BLOCK < CONFIRM_BLOCKS or not np.isfinite(bar):
         return out
-    means = block_means(e)
+    if blocks is not None:
+        means, held = blocks
+    else:
+        assert costly is not None
+        means = block_means(e)
+        held = costly[: means.shape[0] * BLOCK].reshape(means.shape[0], BLOCK, r).any(axis=1)
     nb = means.shape[0]
-    held = costly[: nb * BLOCK].reshape(nb, BLOCK, r).any(axis=1)
     with np.errstate(invalid="ignore"):
         above = (means > bar) & held
         below = ~(means > bar * cfg.off_ratio)  # NaN (too few steps) counts as no evidence of slowness

@@ -55,7 +55,7 @@ from stragglerwatch.analysis.detect import (
 )
 from stragglerwatch.analysis.explain import StepTimes
 from stragglerwatch.analysis.imbalance import recorded
-from stragglerwatch.analysis.intermittent import intermittent_flags
+from stragglerwatch.analysis.intermittent import BLOCK, block_costs, block_means, intermittent_flags
 from stragglerwatch.analysis.report import (
     RANK_COLUMNS,
     Analysis,
@@ -205,6 +205,7 @@ class LiveRun:
         self.steps = np.zeros(0, dtype=np.int64)
         self.data = _Rows()
         self.det = _Rows()
+        self.blocks = _Rows()  # ``intermittent``'s whole blocks of ``det``: their means and largest costs
         self.sc: cons.Scalars | None = None
         self.sc_steps = 0
         self.checkpoints: dict[int, cons.Carry] = {}  # the rule's state before every 256th step, at every floor
@@ -232,7 +233,7 @@ class LiveRun:
         the run's and the ranks' metadata."""
         try:
             names = [p for p in self.run_dir.iterdir() if p.suffix in (".jsonl", ".json", ".txt")]
-            return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in names))
+            return tuple(sorted((p.name, st.st_size, st.st_mtime_ns) for p, st in ((p, p.stat()) for p in names)))
         except OSError:
             return ()
 
@@ -313,7 +314,7 @@ class LiveRun:
             grown[:, where] = arr
             self.data.arrays[col] = grown
         self.ranks = ranks
-        self.det, self.sc, self.sc_steps, self.never = _Rows(), None, 0, None
+        self.det, self.blocks, self.sc, self.sc_steps, self.never = _Rows(), _Rows(), None, 0, None
         self.checkpoints = {}
         return 0
 
@@ -443,10 +444,13 @@ class LiveRun:
         carry = self.checkpoints[at].copy() if at in self.checkpoints else cons.Carry.fresh(width)
         both = cons.advance(state, levels, cfg, carry, at, n, self.checkpoints)
         d["flags"][at:n], d["classic"][at:n] = both[:, :r], both[:, width - r :]
-        # the intermittent test looks at whole blocks of the history: OR-ed here, not kept in the carry
-        at_floor = [d[name][:n] | intermittent_flags(d["e"][:n], cons.costly(d["costly"][:n], x), x.block_noise,
-                                                     x.floors, cfg, x.ranks)
-                    for x, name in zip(levels, ("flags", "classic"), strict=False)]  # fmt: skip
+        # the intermittent test looks at whole blocks of the history (their means kept, those from ``lo`` on
+        # made again): OR-ed here, not kept in the carry
+        means, top = self._blocks(lo, n)
+        with np.errstate(invalid="ignore"):
+            at_floor = [d[name][:n] | intermittent_flags(d["e"][:n], None, x.block_noise, x.floors, cfg, x.ranks,
+                                                         (means, top > x.floors.step_fraction))
+                        for x, name in zip(levels, ("flags", "classic"), strict=False)]  # fmt: skip
         classic = at_floor[-1] if len(levels) == 2 else at_floor[0]
         flags = at_floor[0] | classic
         never = ~flags.any(axis=0)
@@ -483,6 +487,17 @@ class LiveRun:
             add_imbalance(result, work.imbalance)
         self.figures = self._figures(mat, result)
         return self._report(mat, result, (self.steps, d["start"][:n], d["end"][:n]))
+
+    def _blocks(self, lo: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The whole blocks' means of the excess and largest costs (``intermittent``) of rows ``:n``, those before
+        the block holding row ``lo`` as they were."""
+        d, k = self.det.arrays, min(lo // BLOCK, self.blocks.n)
+        self.blocks.grow(n // BLOCK, {"means": ((len(self.ranks),), np.float64, np.nan),
+                                      "top": ((len(self.ranks),), np.float32, np.nan)})  # fmt: skip
+        rows = slice(k * BLOCK, (n // BLOCK) * BLOCK)
+        self.blocks.arrays["means"][k : n // BLOCK] = block_means(d["e"][rows])
+        self.blocks.arrays["top"][k : n // BLOCK] = block_costs(d["costly"][rows])
+        return self.blocks.arrays["means"][: n // BLOCK], self.blocks.arrays["top"][: n // BLOCK]
 
     def _worked(self, mat: StepMatrix, g: Groups, lo: int) -> tuple[dict[str, np.ndarray], int]:
         """The values the detection follows, and the first row that changed: the read values, or where the

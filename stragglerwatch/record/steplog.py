@@ -155,13 +155,17 @@ def log_files(run_dir: Path, pattern: re.Pattern[str] = LOG_NAME) -> list[Path]:
     """The step logs of a run dir (a segment compacted to Parquet is read once); ``pattern``: the
     file names of another stream (its group 3 the suffix)."""
     found: dict[str, Path] = {}
-    for p in sorted(run_dir.iterdir()):
+    for p in sorted(run_dir.iterdir(), key=_name):  # by name: a live view lists thousands every update
         match = pattern.match(p.name)
         if match:
             stem = p.name.rsplit(".", 1)[0]
             if match.group(3) == "parquet" or stem not in found:
                 found[stem] = p
-    return sorted(found.values())
+    return sorted(found.values(), key=_name)
+
+
+def _name(p: Path) -> str:
+    return p.name
 
 
 @dataclass
