@@ -104,7 +104,9 @@ def intermittent_flags(e: np.ndarray, costly: np.ndarray | None, noise: float, f
     with np.errstate(invalid="ignore"):
         above = (means > bar) & held
         below = ~(means > bar * cfg.off_ratio)  # NaN (too few steps) counts as no evidence of slowness
-    for j in np.flatnonzero(above.any(axis=0)):  # the ranks never above the bar stay unflagged
+    # only a rank above the bar in CONFIRM_BLOCKS blocks in a row can be flagged: the others are not looked at
+    runs = np.cumsum(np.vstack([np.zeros((1, r), dtype=np.int64), above]), axis=0)
+    for j in np.flatnonzero((runs[CONFIRM_BLOCKS:] - runs[:-CONFIRM_BLOCKS] >= CONFIRM_BLOCKS).any(axis=0)):
         on, run, start = False, 0, 0
         for k in range(nb):
             if not on:
