@@ -344,12 +344,18 @@ class LiveRun:
         new = np.unique(step[~np.isin(step, self.steps)])
         if new.size and self.steps.size and new[0] < self.steps[-1]:
             raise _Restart  # a step inside the known range: its row does not exist
+        known = len(self.steps)  # rows before the new steps'
         if new.size:
             self.steps = np.concatenate([self.steps, new])
             self.data.grow(len(self.steps), {c: ((len(self.ranks),), np.float64 if c in FLOAT64_COLUMNS
                                                  else np.float32, np.nan) for c in VALUE_COLUMNS})  # fmt: skip
         si = np.searchsorted(self.steps, step)
         ri = np.searchsorted(self.ranks, rank)
+        if si.size and si.min() >= known:  # only new steps (as a job writes): every cell is new, nothing to compare
+            for col in VALUE_COLUMNS:
+                arr = self.data.arrays[col]
+                arr[si, ri] = table[col].to_numpy().astype(arr.dtype, copy=False)
+            return int(si.min())
         first = None
         for col in VALUE_COLUMNS:
             arr = self.data.arrays[col]
