@@ -7,9 +7,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "setup: Python >= 3.10 needed ($PY)" >&2; exit 1; }
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-# --no-compile: no bytecode for every file at install (torch, plotly and transformers hold thousands; most of
-# the install's time): Python compiles each module the first time it is imported
-pip_install() { .venv/bin/python -m pip install --disable-pip-version-check --no-compile -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+pip_install() { .venv/bin/python -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   echo "setup: installing torch==2.13.0 (CPU build)"
   pip_install "torch==2.13.0"

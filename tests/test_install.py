@@ -22,7 +22,8 @@ OFFLINE = ("NewConnectionError", "Temporary failure in name resolution", "Networ
 
 def _env() -> dict[str, str]:
     """The caller's environment without what would leak the checkout or the test venv into the new one."""
-    drop = {"PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "PIP_USER"}
+    # PYTHONDONTWRITEBYTECODE too: the venv is installed without bytecode, each module compiled when first imported
+    drop = {"PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "PIP_USER", "PYTHONDONTWRITEBYTECODE"}
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("STRAGGLERWATCH_")}
     return {**env, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONNOUSERSITE": "1"}
 
