@@ -142,6 +142,13 @@ def _values(pieces: tuple[dict, ...], axis: int, work: str | None, model: imb.Wo
     return imb.adjust(values, model, groups, rows, cols) if model is not None else values
 
 
+def _thin_piece(piece: dict[str, np.ndarray], rows: slice, every: int, columns: tuple[str, ...]) -> dict:
+    """The steps of a piece (of the part ``rows``) whose index in the run is a multiple of ``every``, its
+    ``columns`` only (all where empty)."""
+    kept = {c: v for c, v in piece.items() if not columns or c in columns}
+    return {c: np.ascontiguousarray(v) for c, v in thinned(kept, rows, every)[0].items()}
+
+
 def _on_rows(fn: Callable[..., Any], rows: slice, n_blocks: int, work: str | None, every: int, *rest: Any) -> Any:
     """A step round of ``rounds.py`` on one step part (``rest``: the round's arguments, then the part's pieces),
     on every ``every``-th step of the run."""
@@ -167,7 +174,16 @@ class RayRounds:
         self.rows_task, self.cols_task = ray.remote(_on_rows), ray.remote(_on_cols)
 
     def thin(self, every: int, columns: tuple[str, ...] = ()) -> RayRounds:
-        return RayRounds(self.ray, self.loads, self.parts, self.blocks, self.work, every)
+        """The rounds over every ``every``-th step: the pieces are thinned once, by a task each, into the object
+        store (the fit's dozen rounds then read a fraction of the run, not all of it at every round)."""
+        if every == 1 or self.every != 1:
+            return RayRounds(self.ray, self.loads, self.parts, self.blocks, self.work, self.every * every)
+        keep = tuple({*columns, "busy_s", *([self.work] if self.work and "work" in columns else [])}) if columns else ()
+        task = self.ray.remote(_thin_piece)
+        parts = [(p, thinned({}, rows, every)[1]) for p, rows in enumerate(self.parts)]
+        parts = [(p, rows) for p, rows in parts if rows.stop > rows.start]  # a part with none of those steps
+        loads = [[None, *[task.remote(ld[1 + p], self.parts[p], every, keep) for p, _ in parts]] for ld in self.loads]
+        return RayRounds(self.ray, loads, [rows for _, rows in parts], self.blocks, self.work)
 
     def by_steps(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         return self.ray.get([self.rows_task.remote(fn, rows, len(self.blocks), self.work, self.every, *args,
