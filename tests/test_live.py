@@ -135,3 +135,24 @@ def test_an_intermittent_straggler_is_followed_with_the_blocks_kept(tmp_path):
             assert np.array_equal(kept, whole)
             fired |= bool(whole[:, 3].any())
     assert fired and (3, "data") in _flagged(live)
+
+
+def test_a_run_between_two_flushes_is_not_analysed_whole(tmp_path):
+    """The dashboard's source polls more often than a job flushes: an update that finds nothing new settles (an
+    analysis of the whole run) only once the run has been quiet for ``settle_after_s`` and three of its usual
+    gaps between flushes; until then it keeps the followed verdict."""
+    import time
+
+    cfg = SimConfig(ranks=8, steps=300, seed=3, injections=[Injection(2, 0.2, 100, "compute")])
+    run = GrowingRun(tmp_path / "run", cfg)
+    live = LiveRun(tmp_path / "run", settle_after_s=1.0)
+    for upto in (100, 200, 300):  # a flush every 0.5 s or so: the usual gap
+        run.flush(upto)
+        assert live.update() and not live.exact
+        time.sleep(0.5)
+        assert not live.update() and not live.exact, "0.5 s after a flush: between two flushes, not settled"
+    quiet = time.monotonic()
+    while not live.update() and time.monotonic() - quiet < 20:  # the run has stopped: settled once quiet
+        time.sleep(0.1)
+    assert live.exact and _same(live, tmp_path / "run")
+    assert time.monotonic() - quiet >= 1.0 - 0.5  # not before settle_after_s (less the 0.5 s already quiet)

@@ -20,8 +20,9 @@ and detection moves on from where it was instead of starting over.
   imbalance verdict is the one of the last fit.
 - **Slow figures.** The host context and the jitter tax (a resampling of every healthy step) are
   brought up to date at most every ``slow_every_s``.
-- **Settling.** When an update finds nothing new and the verdict was not computed from all of the
-  data at once, the run is analysed whole (``detect``, as ``analyze`` does): the verdict of a
+- **Settling.** When an update finds nothing new, the run has been quiet for ``settle_after_s`` (and
+  three of its usual gaps between flushes) and the verdict was not computed from all of the data at
+  once, the run is analysed whole (``detect``, as ``analyze`` does): the verdict of a
   finished run is ``analyze``'s, exactly.
 """
 
@@ -186,11 +187,12 @@ class LiveRun:
     """The analysis of a run dir that grows; :meth:`update` returns whether it changed."""
 
     def __init__(self, run_dir: str | Path, config: DetectConfig | None = None, regrow: float = 0.10,
-                 slow_every_s: float = 10.0):  # fmt: skip
+                 slow_every_s: float = 10.0, settle_after_s: float = 0.0):  # fmt: skip
         self.run_dir = Path(run_dir)
         self.cfg = config or DetectConfig()
         self.collectives = CollectiveReader(self.run_dir)  # the arrival order, read incrementally
-        self.regrow, self.slow_every_s = regrow, slow_every_s
+        self.regrow, self.slow_every_s, self.settle_after_s = regrow, slow_every_s, settle_after_s
+        self.came: list[float] = []  # when the last updates with new records ran (monotonic seconds)
         self.analysis = empty_analysis()
         self.exact = True  # ``analysis`` is what ``analyze`` gives on the data read so far
         self.restarts = 0
@@ -255,8 +257,8 @@ class LiveRun:
             self.analysis = self._report(*self.previous)
             if self.exact:
                 return True
-        if lo is None:  # nothing new: settle on the exact analysis of all the data
-            if self.exact or not self.data.n:
+        if lo is None:  # nothing new: settle on the exact analysis of all the data, once the run is quiet
+            if self.exact or not self.data.n or not self._quiet():
                 return False
             self.settling = True
             try:
@@ -267,7 +269,18 @@ class LiveRun:
             return True
         self.analysis = self._follow(lo)
         self.exact = False
+        self.came = [*self.came[-8:], time.monotonic()]
         return True
+
+    def _quiet(self) -> bool:
+        """Whether nothing new has come for ``settle_after_s``, or three of the run's usual gaps between two
+        updates with new records if longer: a run between two flushes is not analysed whole (at thousands of
+        ranks that takes many times an update), one that stopped growing is."""
+        if self.settle_after_s <= 0 or not self.came:
+            return True
+        gaps = np.diff(self.came)
+        need = max(self.settle_after_s, 3.0 * float(np.median(gaps))) if gaps.size else self.settle_after_s
+        return time.monotonic() - self.came[-1] >= need
 
     def _ingest(self) -> int | None:
         """Read new batches; the first row whose values changed, or None."""

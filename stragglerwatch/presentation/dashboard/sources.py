@@ -82,16 +82,21 @@ class _Source:
         self._stop.set()
 
 
+#: A followed run is analysed whole once nothing new has come for this long (and three of its usual gaps between
+#: flushes): a job between two flushes, polled every half second, would otherwise be analysed whole after each.
+SETTLE_AFTER_S = 2.0
+
+
 class RunDirSource(_Source):
     """A run dir, followed as the job writes it: each poll reads only the new records and moves the
     analysis on from where it was (``live.LiveRun``); once the run stops growing, the analysis is
     ``analyze``'s."""
 
-    def __init__(self, run_dir: str | Path, interval_s: float = 0.5):
+    def __init__(self, run_dir: str | Path, interval_s: float = 0.5, settle_after_s: float = SETTLE_AFTER_S):
         super().__init__(interval_s)
         self.run_dir = Path(run_dir)
         self.label = str(self.run_dir)
-        self.live = LiveRun(self.run_dir)
+        self.live = LiveRun(self.run_dir, settle_after_s=settle_after_s)
 
     def _load(self) -> tuple[Analysis | None, list[dict[str, Any]] | None, bool]:
         if not self.live.update():
