@@ -243,13 +243,18 @@ def busy_vs_work(mat: StepMatrix, verdict: Verdict, unit: str | None = None) -> 
     work, unit = _work(mat, verdict, unit)
     if work is None:
         return empty("no work per step recorded")
-    busy = mat.values["busy_s"] * 1000.0
+    # the points are a sample: taken from steps spread over the run (every rank of each), enough for a few times
+    # the points shown, so that a long run's figure costs no pass over all of its records
+    n, r = work.shape
+    rows = np.unique(np.linspace(0, n - 1, num=min(n, max(64, 16 * MAX_SCATTER // max(r, 1))), dtype=int))
+    work, busy = work[rows], mat.values["busy_s"][rows] * 1000.0
+    steps = mat.steps[rows]
     ok = np.isfinite(work) & np.isfinite(busy)
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore", RuntimeWarning)  # a step no rank measured: NaN
         w = work - np.nanmean(np.where(ok, work, np.nan), axis=1, keepdims=True)
         b = busy - nanmedian(np.where(ok, busy, np.nan), axis=1)[:, None]
-    flagged = verdict.flags if verdict.flags.shape == ok.shape else np.zeros(ok.shape, dtype=bool)
+    flagged = verdict.flags[rows] if verdict.flags.shape == (n, r) else np.zeros(ok.shape, dtype=bool)
     fig = go.Figure()
     for name, cells, color in (("healthy ranks' steps", ok & ~flagged, "rgba(31,119,180,0.45)"),
                                ("stragglers' flagged steps", ok & flagged, "rgba(214,39,40,0.7)")):  # fmt: skip
@@ -260,7 +265,7 @@ def busy_vs_work(mat: StepMatrix, verdict: Verdict, unit: str | None = None) -> 
         si, ri = si[pick], ri[pick]
         fig.add_scatter(
             x=w[si, ri], y=b[si, ri], mode="markers", name=name, marker={"color": color, "size": 5},
-            customdata=np.stack([mat.steps[si], mat.ranks[ri]], axis=1),
+            customdata=np.stack([steps[si], mat.ranks[ri]], axis=1),
             hovertemplate=f"step %{{customdata[0]}}, rank %{{customdata[1]}}<br>%{{x:+,.0f}} {unit}<br>"
                           "busy %{y:+.2f} ms<extra></extra>",
         )  # fmt: skip
