@@ -115,7 +115,7 @@ def test_an_intermittent_straggler_is_followed_with_the_blocks_kept(tmp_path):
     import numpy as np
 
     from stragglerwatch.analysis import consistency as cons
-    from stragglerwatch.analysis.intermittent import intermittent_flags
+    from stragglerwatch.analysis.intermittent import block_costs, block_means, intermittent_flags
 
     cfg = SimConfig(ranks=16, steps=900, seed=2, injections=[Injection(3, 1.0, 200, "data", period=4, duty=1)])
     run = GrowingRun(tmp_path / "run", cfg)
@@ -127,11 +127,12 @@ def test_an_intermittent_straggler_is_followed_with_the_blocks_kept(tmp_path):
         d, n = live.det.arrays, live.det.n
         means, top = live.blocks.arrays["means"][: n // 8], live.blocks.arrays["top"][: n // 8]
         for x in cons.floor_levels(live.sc):
-            whole = intermittent_flags(d["e"][:n], cons.costly(d["costly"][:n], x), x.block_noise, x.floors, live.cfg,
-                                       x.ranks)  # fmt: skip
             with np.errstate(invalid="ignore"):
-                kept = intermittent_flags(d["e"][:n], None, x.block_noise, x.floors, live.cfg, x.ranks,
-                                          (means, top > x.floors.step_fraction))  # fmt: skip
+                held = block_costs(d["costly"][:n]) > x.floors.step_fraction
+                whole = intermittent_flags(n, block_means(d["e"][:n]), held, x.block_noise, x.floors, live.cfg,
+                                           x.ranks)  # fmt: skip
+                kept = intermittent_flags(n, means, top > x.floors.step_fraction, x.block_noise, x.floors, live.cfg,
+                                          x.ranks)  # fmt: skip
             assert np.array_equal(kept, whole)
             fired |= bool(whole[:, 3].any())
     assert fired and (3, "data") in _flagged(live)

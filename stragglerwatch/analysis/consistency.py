@@ -43,7 +43,14 @@ from typing import TYPE_CHECKING
 import bottleneck as bn
 import numpy as np
 
-from stragglerwatch.analysis.intermittent import block_bar, block_noise, block_stats, intermittent_flags
+from stragglerwatch.analysis.intermittent import (
+    block_bar,
+    block_costs,
+    block_means,
+    block_noise,
+    block_stats,
+    intermittent_flags,
+)
 from stragglerwatch.analysis.rounds import by_columns
 from stragglerwatch.analysis.thresholds import Floors, classic_floors, floors
 
@@ -324,9 +331,11 @@ def round3(state: BlockState, sc: Scalars, cfg: DetectConfig) -> np.ndarray:
     levels = floor_levels(sc)
     r = state.e.shape[1]
     both = advance(state, levels, cfg, Carry.fresh(r * len(levels)), 0, len(state.e))
-    out = [both[:, i * r : (i + 1) * r]
-           | intermittent_flags(state.e, costly(state.costly, x), x.block_noise, x.floors, cfg, x.ranks)
-           for i, x in enumerate(levels)]  # fmt: skip
+    means, top = block_means(state.e), block_costs(state.costly)
+    with np.errstate(invalid="ignore"):
+        out = [both[:, i * r : (i + 1) * r] | intermittent_flags(len(state.e), means, top > x.floors.step_fraction,
+                                                                 x.block_noise, x.floors, cfg, x.ranks)
+               for i, x in enumerate(levels)]  # fmt: skip
     return bits(out[0], out[-1])
 
 

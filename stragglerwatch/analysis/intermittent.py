@@ -83,23 +83,17 @@ def block_costs(cost: np.ndarray) -> np.ndarray:
     return np.fmax.reduce(cost[: (n // BLOCK) * BLOCK].reshape(n // BLOCK, BLOCK, r), axis=1)
 
 
-def intermittent_flags(e: np.ndarray, costly: np.ndarray | None, noise: float, floors: Floors, cfg: DetectConfig,
-                       ranks: int, blocks: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:  # fmt: skip
-    """Steps x ranks bool: the steps of each rank's flagged block stretches. ``costly``: steps x ranks bool,
-    the excess a noticeable share of the step. ``ranks``: the job's (a job of one rank has no peers).
-    ``blocks``: the whole blocks' :func:`block_means` and whether each holds a costly step, where known
-    already (a followed run keeps them), instead of ``e``'s and ``costly``'s."""
-    n, r = e.shape
+def intermittent_flags(n: int, means: np.ndarray, held: np.ndarray, noise: float, floors: Floors, cfg: DetectConfig,
+                       ranks: int) -> np.ndarray:  # fmt: skip
+    """Steps x ranks bool (``n`` steps): the steps of each rank's flagged block stretches. ``means``: the whole
+    blocks' :func:`block_means`; ``held``: whether each block holds a costly step (its excess a noticeable share
+    of the step: :func:`block_costs` above the floor's share). ``ranks``: the job's (a job of one rank has no
+    peers)."""
+    r = means.shape[1]
     out = np.zeros((n, r), dtype=bool)
     bar = block_bar(noise, floors, cfg)
     if ranks < 2 or n // BLOCK < CONFIRM_BLOCKS or not np.isfinite(bar):
         return out
-    if blocks is not None:
-        means, held = blocks
-    else:
-        assert costly is not None
-        means = block_means(e)
-        held = costly[: means.shape[0] * BLOCK].reshape(means.shape[0], BLOCK, r).any(axis=1)
     nb = means.shape[0]
     with np.errstate(invalid="ignore"):
         above = (means > bar) & held

@@ -467,8 +467,8 @@ class LiveRun:
         # made again): OR-ed here, not kept in the carry
         means, top = self._blocks(lo, n)
         with np.errstate(invalid="ignore"):
-            at_floor = [d[name][:n] | intermittent_flags(d["e"][:n], None, x.block_noise, x.floors, cfg, x.ranks,
-                                                         (means, top > x.floors.step_fraction))
+            at_floor = [d[name][:n] | intermittent_flags(n, means, top > x.floors.step_fraction, x.block_noise,
+                                                         x.floors, cfg, x.ranks)
                         for x, name in zip(levels, ("flags", "classic"), strict=False)]  # fmt: skip
         classic = at_floor[-1] if len(levels) == 2 else at_floor[0]
         flags = at_floor[0] | classic
