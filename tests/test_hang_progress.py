@@ -72,47 +72,69 @@ def sample_as_ours(tid: int | None):
     return got[0]
 
 
+#: The training thread stands in as a thread of a fresh process (asleep, computing, then a writer thread
+#: saving): the "idle" sample needs a process with no other thread that may run, which a test session that
+#: has run other tests is not (their leftover threads are the job's threads to the sampler, as they should be).
+ACCOUNTS = """
+import json, sys, threading, time
+from stragglerwatch.runtime.hangs.progress import moved, sample
+
+def sample_as_ours(tid):
+    got = []
+    t = threading.Thread(target=lambda: got.append(sample(tid)), name="stragglerwatch-test-sampler")
+    t.start()
+    t.join(30)
+    return got[0]
+
+go, done = threading.Event(), threading.Event()
+
+def training():
+    go.wait(30)
+    stop = time.perf_counter() + 0.6
+    while time.perf_counter() < stop:
+        sum(range(1000))
+    done.wait(30)
+
+worker = threading.Thread(target=training)
+worker.start()
+tid = worker.ident
+try:
+    a = sample_as_ours(tid)
+    time.sleep(0.3)
+    b = sample_as_ours(tid)
+    go.set()
+    time.sleep(0.4)
+    c = sample_as_ours(tid)
+finally:
+    done.set()
+    worker.join(30)
+
+def writer():
+    with open(sys.argv[1], "wb") as f:
+        for _ in range(16):
+            f.write(b"x" * (1 << 20))
+            f.flush()
+            time.sleep(0.01)
+
+t = threading.Thread(target=writer)
+t.start()
+t.join()
+d = sample_as_ours(tid)
+print(json.dumps({"idle": moved(a, b), "computing": moved(b, c), "spinning": moved(b, c, waiting=True),
+                  "writing": moved(c, d)}))
+"""
+
+
 @linux
 def test_cpu_io_and_python_are_progress_a_sleep_is_not(tmp_path: Path) -> None:
-    """The training thread stands in as a thread of the test: asleep, then computing."""
-    go, done = threading.Event(), threading.Event()
-
-    def training() -> None:
-        go.wait(30)
-        stop = time.perf_counter() + 0.6
-        while time.perf_counter() < stop:
-            sum(range(1000))
-        done.wait(30)
-
-    worker = threading.Thread(target=training)
-    worker.start()
-    tid = worker.ident
-    try:
-        a = sample_as_ours(tid)
-        time.sleep(0.3)
-        b = sample_as_ours(tid)
-        assert moved(a, b) == [], f"an idle process moved: {moved(a, b)}"
-        go.set()
-        time.sleep(0.4)
-        c = sample_as_ours(tid)
-        assert any(k.startswith("CPU") for k in moved(b, c)), moved(b, c)
-        assert not any(k.startswith("CPU") for k in moved(b, c, waiting=True))  # a spin in a collective
-    finally:
-        done.set()
-        worker.join(30)
-
-    def writer() -> None:
-        with open(tmp_path / "ckpt", "wb") as f:
-            for _ in range(16):
-                f.write(b"x" * (1 << 20))
-                f.flush()
-                time.sleep(0.01)
-
-    t = threading.Thread(target=writer)
-    t.start()
-    t.join()
-    d = sample_as_ours(tid)
-    assert any(k.startswith("I/O") for k in moved(c, d)), moved(c, d)
+    done = subprocess.run([sys.executable, "-c", ACCOUNTS, str(tmp_path / "ckpt")], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["idle"] == [], f"an idle process moved: {seen['idle']}"
+    assert any(k.startswith("CPU") for k in seen["computing"]), seen
+    assert not any(k.startswith("CPU") for k in seen["spinning"]), seen  # a spin in a collective
+    assert any(k.startswith("I/O") for k in seen["writing"]), seen
 
 
 @linux
