@@ -88,7 +88,7 @@ def test_a_run_with_uneven_work_is_followed_not_analysed_again(tmp_path, monkeyp
     cfg = SimConfig(ranks=16, steps=600, seed=4, tokens=4096,
                     injections=[Injection(5, 0.2, 150, "compute"), Injection(12, 0.25, 250, "data")])  # fmt: skip
     run = GrowingRun(tmp_path / "run", cfg)
-    live = LiveRun(tmp_path / "run", regrow=0.5)
+    live = LiveRun(tmp_path / "run", regrow=0.5, fit_in_background=False)  # every fit inside its update
     fits = []
     real_measure = live_mod.workfit.measure
     monkeypatch.setattr(live_mod.workfit, "measure", lambda *a: fits.append(1) or real_measure(*a))
@@ -106,6 +106,54 @@ def test_a_run_with_uneven_work_is_followed_not_analysed_again(tmp_path, monkeyp
     monkeypatch.undo()
     assert live.update() and live.exact  # nothing new: it settles on the whole run
     assert _same(live, tmp_path / "run")
+
+
+def test_a_refit_runs_beside_the_updates_and_the_next_update_takes_it(tmp_path, monkeypatch):
+    """Only the first work fit holds up an update: a later one runs on a thread while the updates go on with
+    the last model, and the first update after it ended adjusts its new rows with the new one; the rows
+    adjusted before keep their adjustment until the run settles, on analyze's report."""
+    import threading
+
+    import numpy as np
+
+    from stragglerwatch.analysis import live as live_mod
+
+    cfg = SimConfig(ranks=16, steps=400, seed=6, tokens=4096, injections=[Injection(9, 0.2, 120, "compute")])
+    run = GrowingRun(tmp_path / "run", cfg)
+    live = LiveRun(tmp_path / "run", regrow=0.5)
+    run.flush(100)
+    assert live.update() and live.work is not None and live.work.steps == 100  # the first fit, in the update
+    release, where = threading.Event(), []
+    real_measure = live_mod.workfit.measure
+
+    def held(*a):
+        where.append(threading.current_thread().name)
+        release.wait(60)
+        return real_measure(*a)
+
+    monkeypatch.setattr(live_mod.workfit, "measure", held)
+    run.flush(160)  # grown by half: a fit again, on its thread
+    assert live.update()
+    assert live.refit is not None and live.refit.thread is not None and live.refit.thread.is_alive()
+    run.flush(190)
+    assert live.update() and live.work.steps == 100, "the updates go on with the last model while it fits"
+    before = {c: a[:190].copy() for c, a in live.work.adjusted.arrays.items()}
+    assert live.analysis.report["imbalance"]["unit"] == "tokens"
+    release.set()
+    assert live.wait_for_fit(60)
+    run.flush(220)
+    assert live.update() and live.work.steps == 160 and live.refit is None, "the next update takes the new fit"
+    assert where == ["stragglerwatch-workfit"]
+    for c, a in before.items():
+        np.testing.assert_array_equal(live.work.adjusted.arrays[c][:190], a, err_msg=c)
+    assert live.analysis.report["imbalance"]["detected"] is not None
+    monkeypatch.undo()
+    run.flush(400)
+    assert live.update() and (9, "compute") in _flagged(live)
+    assert live.wait_for_fit(60)
+    for _ in range(3):  # the fit begun at step 400 taken, then nothing new: settled
+        live.update()
+    assert live.exact and _same(live, tmp_path / "run")
 
 
 def test_an_intermittent_straggler_is_followed_with_the_blocks_kept(tmp_path):

@@ -17,7 +17,9 @@ and detection moves on from where it was instead of starting over.
   adjusted with it, and when the run has grown by ``regrow`` it is fitted again (``workfit``: on at most
   2,048 of its steps) and the new rows are adjusted with the new fit; the rows before them keep the
   adjustment they were followed with, as their flags keep their scalars, until the run settles. The
-  imbalance verdict is the one of the last fit.
+  imbalance verdict is the one of the last fit. Only the first fit holds up an update: a later one runs
+  on a thread beside the updates (``fit_in_background``; at 4,096 ranks a fit and its imbalance
+  verdict take 10-20 s), over the rows read when it began, and the first update after it ends takes it.
 - **Slow figures.** The host context and the jitter tax (a resampling of every healthy step) are
   brought up to date at most every ``slow_every_s``.
 - **Settling.** When an update finds nothing new, the run has been quiet for ``settle_after_s`` (and
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -183,12 +186,27 @@ class _Work:
     imbalance: imb.Imbalance | None = None
 
 
+@dataclass
+class _Refit:
+    """A work fit running on a thread beside the updates, over the first ``steps`` rows; ``done`` holds
+    ``(column, unit, model, imbalance)`` once it ended, None where the work no longer varies."""
+
+    steps: int
+    generation: int  # the arrays it read (``LiveRun._reset`` starts a new one): a fit of older ones is dropped
+    thread: threading.Thread | None = None
+    done: tuple[str, str, imb.WorkModel, imb.Imbalance] | None = None
+    failed: str | None = None
+
+
 class LiveRun:
     """The analysis of a run dir that grows; :meth:`update` returns whether it changed."""
 
     def __init__(self, run_dir: str | Path, config: DetectConfig | None = None, regrow: float = 0.10,
-                 slow_every_s: float = 10.0, settle_after_s: float = 0.0):  # fmt: skip
+                 slow_every_s: float = 10.0, settle_after_s: float = 0.0, fit_in_background: bool = True):  # fmt: skip
         self.run_dir = Path(run_dir)
+        self.fit_in_background = fit_in_background
+        self.generation = 0
+        self.fit_failures = 0  # background fits that raised (each said once on the log)
         self.cfg = config or DetectConfig()
         self.collectives = CollectiveReader(self.run_dir)  # the arrival order, read incrementally
         self.regrow, self.slow_every_s, self.settle_after_s = regrow, slow_every_s, settle_after_s
@@ -215,6 +233,9 @@ class LiveRun:
         self.unit = ""  # what the records' work counts, once known
         self.uneven = False  # some step's ranks did different work (sticky)
         self.work: _Work | None = None
+        self.refit: _Refit | None = None  # a fit running beside the updates
+        self.generation += 1
+        self.flagged = np.zeros(0, dtype=bool)  # per rank: a straggler in the last update's verdict
         self.slow_at = 0.0
         self.figures: RankFigures | None = None
         self.turn = 0
@@ -351,9 +372,12 @@ class LiveRun:
         rank = table["rank"].to_numpy()
         for k in np.unique(keys):
             sel = keys == k
+            ranks, at = np.unique(rank[sel], return_inverse=True)
+            top_of = np.full(len(ranks), np.iinfo(np.int64).min, dtype=np.int64)
+            np.maximum.at(top_of, at, step[sel])  # each rank's last step in the batch, in one pass
             own = self.last_own.setdefault(int(k), {})
-            for r in np.unique(rank[sel]).tolist():
-                own[r] = max(own.get(r, -1), int(step[sel & (rank == r)].max()))
+            for r, s in zip(ranks.tolist(), top_of.tolist(), strict=True):
+                own[r] = max(own.get(r, -1), s)
         new = np.unique(step[~np.isin(step, self.steps)])
         if new.size and self.steps.size and new[0] < self.steps[-1]:
             raise _Restart  # a step inside the known range: its row does not exist
@@ -504,6 +528,7 @@ class LiveRun:
                                             cfg.imbalance_min_slowdown, work.unit, work.column)  # fmt: skip
             result.imbalance = work.imbalance
             add_imbalance(result, work.imbalance)
+        self.flagged = straggling(result, self.ranks)
         self.figures = self._figures(mat, result)
         return self._report(mat, result, (self.steps, d["start"][:n], d["end"][:n]))
 
@@ -531,20 +556,40 @@ class LiveRun:
             return mat.values, lo
         work = self.work
         shapes = {c: ((len(self.ranks),), np.float64, np.nan) for c in workfit.ADJUSTED}
-        if work is not None and len(work.model.ref) < lo:  # rows the model never saw: adjust them all again
-            lo = 0
-        if work is None or n >= (1.0 + self.regrow) * work.steps:
-            chosen = imb.basis(mat.values, mat.work_unit)
-            if chosen is None:
+        healthy = None if self.never is None or len(self.never) != len(self.ranks) else self.never
+        fitted: tuple[str, str, imb.WorkModel, imb.Imbalance | None] | None = None
+        if work is None:  # the first fit: nothing to adjust with before it
+            got = _fit(mat.values, mat.work_unit, g, healthy)
+            if got is None:
                 self.uneven = False
                 return mat.values, lo
-            raw, unit, column = chosen
-            rounds = Whole(raw)
-            healthy = None if self.never is None or len(self.never) != len(self.ranks) else self.never
-            model = imb.model(rounds, g, workfit.measure(rounds, g), healthy)
+            fitted, steps = (*got, None), n
+        elif self.refit is not None and self.refit.thread is not None and not self.refit.thread.is_alive():
+            refit, self.refit = self.refit, None
+            if refit.done is not None and refit.generation == self.generation:
+                fitted, steps = refit.done, refit.steps
+            else:  # it failed, or found no work that varies: the last fit stays until the run grows again
+                work.steps = refit.steps
+        elif self.refit is None and n >= (1.0 + self.regrow) * work.steps:
+            if self.fit_in_background:
+                self._fit_beside(mat.values, mat.work_unit, g, healthy, n)
+            else:
+                got = _fit(mat.values, mat.work_unit, g, healthy)
+                if got is None:
+                    self.uneven = False
+                    return mat.values, lo
+                fitted, steps = (*got, None), n
+        if fitted is not None:
+            column, unit, model, imbalance = fitted
             if work is None or work.column != column:  # the first fit, or another count of the work: every row
                 lo = 0
-            self.work = work = _Work(column, unit, model, n, work.adjusted if work is not None and lo else _Rows())
+            elif len(work.model.ref) >= lo:  # the rows adjusted since the fit's data keep their reference
+                model = dataclasses.replace(model, ref=work.model.ref[:lo])
+            self.work = work = _Work(column, unit, model, steps, work.adjusted if work is not None and lo else _Rows(),
+                                     imbalance)  # fmt: skip
+        assert work is not None
+        if len(work.model.ref) < lo:  # rows the model never saw: adjust them all again
+            lo = 0
         rows = slice(lo, n)
         w = mat.values[work.column]
         ref = np.concatenate([work.model.ref[:lo], workfit.group_medians(w[rows], g)])
@@ -555,6 +600,46 @@ class LiveRun:
         for c in workfit.ADJUSTED:
             work.adjusted.arrays[c][rows] = part[c]
         return {**mat.values, **{c: a[:n] for c, a in work.adjusted.arrays.items()}}, lo
+
+    def _fit_beside(self, values: dict[str, np.ndarray], work_unit: str, g: Groups, healthy: np.ndarray | None,
+                    n: int) -> None:  # fmt: skip
+        """Start fitting the work model again on a thread, over the first ``n`` rows (views: the rows the
+        updates write next are past them, and arrays that grow are new arrays), with its imbalance verdict
+        (with the flags of the last update)."""
+        job = _Refit(n, self.generation)
+        flagged = self.flagged if len(self.flagged) == len(self.ranks) else np.zeros(len(self.ranks), dtype=bool)
+        ranks, cfg = self.ranks, self.cfg
+
+        def run() -> None:
+            try:
+                got = _fit(values, work_unit, g, healthy)
+                if got is None:
+                    return
+                column, unit, model = got
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    job_s = float(np.nansum(nanmedian(values["step_s"], axis=1)))
+                im = imb.assess(Whole({**values, "work": values[column]}), model, g, flagged, ranks, job_s,
+                                cfg.imbalance_min_slowdown, unit, column)  # fmt: skip
+                job.done = (column, unit, model, im)
+            except Exception as e:  # noqa: BLE001 - a failed fit keeps the last model; the view goes on
+                job.failed = f"{type(e).__name__}: {e}"
+                self.fit_failures += 1
+                if self.fit_failures == 1:
+                    warnings.warn(f"stragglerwatch: the work model could not be fitted again ({job.failed}); "
+                                  "the last fit stays in use", RuntimeWarning, stacklevel=1)  # fmt: skip
+
+        job.thread = threading.Thread(target=run, name="stragglerwatch-workfit", daemon=True)
+        self.refit = job
+        job.thread.start()
+
+    def wait_for_fit(self, timeout_s: float | None = None) -> bool:
+        """Wait for a work fit running beside the updates (the next update takes it); False if one still runs."""
+        job = self.refit
+        if job is None or job.thread is None:
+            return True
+        job.thread.join(timeout_s)
+        return not job.thread.is_alive()
 
     def _figures(self, mat: StepMatrix, result: Verdict) -> RankFigures:
         """The report's per-rank figures, one column's medians brought up to date an update (each
@@ -582,6 +667,17 @@ class LiveRun:
                                  (state.e, state.costly, state.med, state.level, state.counted)))  # fmt: skip
         sc = cons.combine1([cons.round1(part)], self.cfg)
         return cons.combine2([cons.round2(part, sc, self.cfg)], sc, self.cfg)
+
+
+def _fit(values: dict[str, np.ndarray], work_unit: str, g: Groups, healthy: np.ndarray | None
+         ) -> tuple[str, str, imb.WorkModel] | None:  # fmt: skip
+    """The work model of ``values`` (``imbalance.basis``'s count of the work), or None where it does not vary."""
+    chosen = imb.basis(values, work_unit)
+    if chosen is None:
+        return None
+    raw, unit, column = chosen
+    rounds = Whole(raw)
+    return column, unit, imb.model(rounds, g, workfit.measure(rounds, g), healthy)
 
 
 def _uneven_rows(values: dict[str, np.ndarray], lo: int) -> bool:
