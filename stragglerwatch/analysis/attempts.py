@@ -77,9 +77,11 @@ def worlds(attempts: list[dict[str, Any]], rank_meta: Mapping[int, Mapping[str, 
     return out
 
 
-def world_cuts(attempts: list[dict[str, Any]], rank_meta: Mapping[int, Mapping[str, Any]]) -> tuple[int, ...]:
-    """The steps (the run's numbering) where a new world begins: where detection cuts every rank's series."""
-    w = worlds(attempts, rank_meta)
+def world_cuts(attempts: list[dict[str, Any]], rank_meta: Mapping[int, Mapping[str, Any]],
+               known: list[int] | None = None) -> tuple[int, ...]:  # fmt: skip
+    """The steps (the run's numbering) where a new world begins: where detection cuts every rank's series.
+    ``known``: the attempts' :func:`worlds`, where the caller kept them."""
+    w = worlds(attempts, rank_meta) if known is None else known
     return tuple(int(attempts[i]["first_step"]) for i in range(1, len(attempts)) if w[i] != w[i - 1])
 
 

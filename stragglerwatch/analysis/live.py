@@ -46,7 +46,7 @@ import pyarrow as pa
 from stragglerwatch.analysis import consistency as cons
 from stragglerwatch.analysis import imbalance as imb
 from stragglerwatch.analysis import workfit
-from stragglerwatch.analysis.attempts import cut_indices, world_cuts
+from stragglerwatch.analysis.attempts import cut_indices, world_cuts, worlds
 from stragglerwatch.analysis.cost import TOP_K
 from stragglerwatch.analysis.detect import (
     StepMatrix,
@@ -246,6 +246,7 @@ class LiveRun:
         self.previous: tuple[StepMatrix, Verdict, StepTimes] | None = None
         self.others: tuple = ()
         self.rank_meta = read_rank_meta(self.run_dir)
+        self.worlds: tuple[tuple, dict, list[int]] | None = None  # ``_cuts``'s attempts, metadata and worlds
         roles = {r: m["role"] for r, m in self.rank_meta.items() if m.get("role") is not None}
         self.roles = roles or None
 
@@ -416,7 +417,13 @@ class LiveRun:
         return StepMatrix(self.ranks, self.steps, values, work_unit=self.unit, cuts=self._cuts()), start
 
     def _cuts(self) -> tuple[int, ...]:
-        return world_cuts(attempt_list(self.offsets, self.last), self.rank_meta)
+        """Where a new world begins; the attempts' worlds kept while the attempts and the ranks' metadata are
+        the same (they read every rank's metadata)."""
+        attempts = attempt_list(self.offsets, self.last)
+        keys = tuple((a["restart"], a["attach"]) for a in attempts)
+        if self.worlds is None or self.worlds[0] != keys or self.worlds[1] is not self.rank_meta:
+            self.worlds = (keys, self.rank_meta, worlds(attempts, self.rank_meta))
+        return world_cuts(attempts, self.rank_meta, self.worlds[2])
 
     def _exact(self) -> Analysis:
         mat, start = self._matrix()
