@@ -11,8 +11,15 @@ process with every CPU here, and reports the peak memory of each Ray worker proc
 the driver's, and (``--compare``) whether the stragglers and the whole JSON report, key for key,
 equal the local engine's.
 
+``--scaling 1024x1000,1024x10000,10000x10000`` prints the Ray engine's scaling table instead: one
+simulated run per size (kept under ``--run-dir`` when given, as ``RANKSxSTEPS``), each analysed once
+on a local Ray with every CPU here: wall time, records a second per CPU (flat where the analysis is
+linear in the records), the driver's peak memory, the largest worker's own memory (USS) beside its
+share of the data (the analysed columns' uncompressed bytes, from the Parquet footers, over the CPUs).
+
     python benchmarks/throughput.py [--ranks 1024 --steps 10000] [--run-dir DIR] [--tokens 4096]
     python benchmarks/throughput.py --ranks 10000 --steps 10000 --run-dir DIR --engine ray --compare
+    python benchmarks/throughput.py --scaling 1024x1000,1024x10000,10000x10000 --tokens 4096 --run-dir DIR
 """
 
 from __future__ import annotations
@@ -103,6 +110,53 @@ def measure_ray(run: Path) -> tuple[float, float, tuple[float, float], int, str]
     return wall, usage.ru_maxrss / 2**20, largest, len(peaks), text
 
 
+def simulate(run: Path, ranks: int, steps: int, tokens: float) -> None:
+    """The benchmark's run (three stragglers from 20%, 30% and 60% of the steps, the second ending at 80%),
+    written once."""
+    if (run / "run.json").exists():
+        return
+    t0 = time.perf_counter()
+    a, b = (ranks - 1000, ranks // 2 - 191) if ranks > 1000 else (ranks * 3 // 4, ranks // 3)
+    at = [steps * k // 10 for k in (2, 6, 3, 8)]
+    subprocess.run(
+        [sys.executable, "-m", "stragglerwatch.cli", "simulate", str(run), "--ranks", str(ranks),
+         "--steps", str(steps), "--straggler", f"{17 % ranks}:1.15:{at[0]}:data", "--straggler",
+         f"{a}:1.1:{at[1]}", "--straggler", f"{b}:1.12:{at[2]}:compute:{at[3]}",
+         *(["--tokens", str(tokens)] if tokens else [])],
+        check=True,
+    )  # fmt: skip
+    print(f"simulated {ranks} x {steps} in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def data_bytes(run: Path) -> int:
+    """The uncompressed bytes of the step logs' columns, from their Parquet footers."""
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(f).metadata.to_dict()["row_groups"][i]["total_byte_size"]
+               for f in sorted(run.glob("rank-*.parquet"))
+               for i in range(pq.ParquetFile(f).metadata.num_row_groups))  # fmt: skip
+
+
+def scaling(sizes: list[tuple[int, int]], root: Path, tokens: float) -> None:
+    """The Ray engine's scaling table: a row per size, printed as it is measured."""
+    cpus = os.cpu_count() or 1
+    print(f"the Ray engine on a local Ray with {cpus} CPUs{', work recorded' if tokens else ''}:")
+    head = (f"{'ranks':>6} {'steps':>7} {'records':>12} {'wall s':>8} {'M rec/s':>8} {'M rec/s/CPU':>11} "
+            f"{'driver GiB':>10} {'worker USS GiB':>14} {'data/CPU GiB':>12}")  # fmt: skip
+    rows = []
+    for ranks, steps in sizes:
+        run = root / f"{ranks}x{steps}"
+        simulate(run, ranks, steps, tokens)
+        wall, rss, worker, _, out = measure_ray(run)
+        records = ranks * steps
+        share = data_bytes(run) / cpus / 2**30
+        found = [(s["rank"], s["cause"], s["first_step"], s["last_step"]) for s in json.loads(out)["stragglers"]]
+        rows.append(f"{ranks:>6} {steps:>7} {records:>12,} {wall:>8.1f} {records / wall / 1e6:>8.2f} "
+                    f"{records / wall / 1e6 / cpus:>11.2f} {rss:>10.2f} {worker[1]:>14.2f} {share:>12.2f}")  # fmt: skip
+        print(f"  {ranks} x {steps}: stragglers found {found}", flush=True)
+        print("\n".join([head, *rows]), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=1024)
@@ -114,23 +168,25 @@ def main() -> None:
     p.add_argument("--tokens", type=float, default=0.0,
                    help="simulate variable work (mean tokens a rank a step, recorded per step): the work fit and "
                         "the imbalance run too; default 0: no work recorded")  # fmt: skip
+    p.add_argument("--scaling", metavar="RxS,...",
+                   help="the Ray engine's scaling table over these sizes (ranks x steps), e.g. "
+                        "1024x1000,1024x10000,10000x10000")  # fmt: skip
     args = p.parse_args()
     tmp = None
+    if args.scaling:
+        try:
+            sizes = [(int(a), int(b)) for a, b in (x.lower().split("x") for x in args.scaling.split(","))]
+        except ValueError:
+            p.error(f"--scaling: sizes as RANKSxSTEPS, comma-separated, not {args.scaling!r}")
+        with tempfile.TemporaryDirectory() as t:
+            scaling(sizes, Path(args.run_dir or t), args.tokens)
+        return
     if args.run_dir:
         run = Path(args.run_dir)
     else:
         tmp = tempfile.TemporaryDirectory()
         run = Path(tmp.name) / "run"
-    if not (run / "run.json").exists():
-        t0 = time.perf_counter()
-        subprocess.run(
-            [sys.executable, "-m", "stragglerwatch.cli", "simulate", str(run), "--ranks", str(args.ranks),
-             "--steps", str(args.steps), "--straggler", "17:1.15:2000:data", "--straggler",
-             f"{args.ranks - 1000}:1.1:6000", "--straggler", f"{args.ranks // 2 - 191}:1.12:3000:compute:8000",
-             *(["--tokens", str(args.tokens)] if args.tokens else [])],
-            check=True,
-        )  # fmt: skip
-        print(f"simulated {args.ranks} x {args.steps} in {time.perf_counter() - t0:.1f} s")
+    simulate(run, args.ranks, args.steps, args.tokens)
     records = args.ranks * args.steps
     if args.engine == "ray":
         wall, rss, worker, n, out_ray = measure_ray(run)
