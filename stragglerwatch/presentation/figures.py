@@ -41,8 +41,9 @@ def _reduce(a: np.ndarray, starts: np.ndarray, axis: int, how: str) -> np.ndarra
             filled = np.where(np.isnan(a), -np.inf, a)
             out = np.maximum.reduceat(filled, starts, axis=axis)
             return np.where(np.isinf(out), np.nan, out)
-        counts = np.add.reduceat(~np.isnan(a), starts, axis=axis)
-        sums = np.add.reduceat(np.nan_to_num(a), starts, axis=axis)
+        finite = np.isfinite(a)  # the mean of a bin's finite values: NaN where it has none
+        counts = np.add.reduceat(finite, starts, axis=axis, dtype=np.int64)
+        sums = np.add.reduceat(np.where(finite, a, 0.0), starts, axis=axis)
         return sums / np.where(counts == 0, np.nan, counts)
 
 
@@ -99,7 +100,8 @@ def breakdown(mat: StepMatrix, verdict: Verdict, rows: list[dict] | None = None)
         medians = {c: nanmedian(mat.values[c], axis=0) * 1000.0 for c in ("busy_s", *(p[0] for p in PHASES))}
     busy = medians["busy_s"]
     flagged = {s.rank for s in verdict.stragglers}
-    order = sorted(range(len(mat.ranks)), key=lambda j: (mat.ranks[j] not in flagged, -np.nan_to_num(busy[j])))
+    heavy = (-np.nan_to_num(busy)).tolist()
+    order = sorted(range(len(mat.ranks)), key=lambda j: (mat.ranks[j] not in flagged, heavy[j]))
     keep = sorted(order[:MAX_BARS], key=lambda j: mat.ranks[j])
     x = [f"{'*' if mat.ranks[j] in flagged else ''}{mat.ranks[j]}" for j in keep]
     fig = go.Figure()
