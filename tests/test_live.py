@@ -79,6 +79,24 @@ def test_late_ranks_a_restart_and_a_batch_cut_in_half(tmp_path):
     assert live.exact and _same(live, out)
 
 
+def test_late_ranks_in_a_run_with_uneven_work(tmp_path):
+    """The work model has a slope per rank: ranks that start late are fitted with the others, not adjusted
+    with a model that never saw them."""
+    cfg = SimConfig(ranks=12, steps=400, seed=9, tokens=4096, injections=[Injection(7, 0.3, 100, "optimizer")])
+    run = GrowingRun(tmp_path / "run", cfg)
+    live = LiveRun(tmp_path / "run")
+    run.flush(60, ranks=range(6))
+    assert live.update() and live.work is not None and len(live.work.model.slopes["busy_s"]) == 6
+    run.flush(200)
+    assert live.update() and live.analysis.report["ranks_seen"] == 12
+    assert len(live.work.model.slopes["busy_s"]) == 12 and live.analysis.report["imbalance"] is not None
+    assert (7, "optimizer") in _flagged(live)
+    assert live.wait_for_fit(60)
+    live.update()
+    assert live.update() or live.exact
+    assert live.exact and _same(live, tmp_path / "run")
+
+
 def test_a_run_with_uneven_work_is_followed_not_analysed_again(tmp_path, monkeypatch):
     """Variable work on every step: the updates adjust new rows with the work model of the last fit (no
     analysis from scratch), fit it again as the run grows, report the imbalance as they go, and the settled

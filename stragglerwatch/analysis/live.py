@@ -351,6 +351,8 @@ class LiveRun:
         self.ranks = ranks
         self.det, self.blocks, self.sc, self.sc_steps, self.never = _Rows(), _Rows(), None, 0, None
         self.checkpoints = {}
+        # the work model has a slope per rank: fitted again, with the new ranks (a fit running is dropped)
+        self.work, self.refit, self.flagged = None, None, np.zeros(0, dtype=bool)
         return 0
 
     def _scatter(self, table: pa.Table) -> int | None:
