@@ -284,6 +284,7 @@ class LiveRun:
                 return False
             self.settling = True
             try:
+                self.wait_for_fit()  # one after the other: a fit's memory and the whole run's analysis' do not add up
                 self.analysis = self._exact()
             finally:
                 self.settling = False
