@@ -274,15 +274,19 @@ def healthy_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def free_ports(n: int) -> int:
-    """A base port with ``n`` consecutive free ports on loopback."""
-    import socket
+    """A base port with ``n`` consecutive free ports on loopback, below the system's ephemeral range: a port
+    the kernel may hand out as the source of an outgoing connection (a gloo rank's, a scrape's) could be taken
+    between this check and the server's bind, and a port-in-use is, by design, one log line and no server."""
+    import random
 
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    top = low - n if low - n > 20000 else 65535 - n  # an odd range: anywhere above 20000
+    pick = random.Random()
+    for _ in range(200):
+        base = pick.randrange(20000, top)
         socks = []
         try:
             for i in range(n):
@@ -344,13 +348,18 @@ def live_prometheus(tmp_path_factory: pytest.TempPathFactory):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(EXAMPLE),
          "--steps", "100000", "--slow-rank", "2", "--delay", "0.02", "--stall-rank", "2", "--stall-at-step",
          "300", "--stall-seconds", "6", "--watchdog-timeout", "2", "--run-dir", str(run)],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=(tmp / "job.log").open("wb"),
         env={**os.environ, "OMP_NUM_THREADS": "1", "STRAGGLERWATCH_PROMETHEUS_PORT": str(port_base),
              "STRAGGLERWATCH_PROMETHEUS_ADDR": "127.0.0.1", "STRAGGLERWATCH_SD_DIR": str(sd)},
     )  # fmt: skip
     prom = None
     try:
-        wait_for(lambda: len(list(sd.glob("stragglerwatch-*.json"))) == 8, 90, "8 target files")
+        try:
+            wait_for(lambda: len(list(sd.glob("stragglerwatch-*.json"))) == 8, 90, "8 target files")
+        except AssertionError as e:  # say what came and what the job said
+            found = sorted(p.name for p in sd.glob("stragglerwatch-*.json"))
+            said = (tmp / "job.log").read_text(errors="replace")[-3000:]
+            raise AssertionError(f"{e}; found {found}; the job (exit {job.poll()}) said:\n{said}") from None
         run_id = read_json(run / "run.json")["run_id"]
         config = tmp / "prometheus.yml"
         with open(config, "w") as f, pytest.MonkeyPatch.context() as mp:
