@@ -132,9 +132,11 @@ def data_bytes(run: Path) -> int:
     """The uncompressed bytes of the step logs' columns, from their Parquet footers."""
     import pyarrow.parquet as pq
 
-    return sum(pq.ParquetFile(f).metadata.to_dict()["row_groups"][i]["total_byte_size"]
-               for f in sorted(run.glob("rank-*.parquet"))
-               for i in range(pq.ParquetFile(f).metadata.num_row_groups))  # fmt: skip
+    total = 0
+    for f in run.glob("rank-*.parquet"):
+        meta = pq.read_metadata(f)
+        total += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    return total
 
 
 def scaling(sizes: list[tuple[int, int]], root: Path, tokens: float) -> None:

@@ -192,10 +192,8 @@ class _Refit:
     ``(column, unit, model, imbalance)`` once it ended, None where the work no longer varies."""
 
     steps: int
-    generation: int  # the arrays it read (``LiveRun._reset`` starts a new one): a fit of older ones is dropped
     thread: threading.Thread | None = None
     done: tuple[str, str, imb.WorkModel, imb.Imbalance] | None = None
-    failed: str | None = None
 
 
 class LiveRun:
@@ -205,7 +203,6 @@ class LiveRun:
                  slow_every_s: float = 10.0, settle_after_s: float = 0.0, fit_in_background: bool = True):  # fmt: skip
         self.run_dir = Path(run_dir)
         self.fit_in_background = fit_in_background
-        self.generation = 0
         self.fit_failures = 0  # background fits that raised (each said once on the log)
         self.cfg = config or DetectConfig()
         self.collectives = CollectiveReader(self.run_dir)  # the arrival order, read incrementally
@@ -233,8 +230,7 @@ class LiveRun:
         self.unit = ""  # what the records' work counts, once known
         self.uneven = False  # some step's ranks did different work (sticky)
         self.work: _Work | None = None
-        self.refit: _Refit | None = None  # a fit running beside the updates
-        self.generation += 1
+        self.refit: _Refit | None = None  # a fit running beside the updates (dropped with the arrays it read)
         self.flagged = np.zeros(0, dtype=bool)  # per rank: a straggler in the last update's verdict
         self.slow_at = 0.0
         self.figures: RankFigures | None = None
@@ -576,7 +572,7 @@ class LiveRun:
             fitted, steps = (*got, None), n
         elif self.refit is not None and self.refit.thread is not None and not self.refit.thread.is_alive():
             refit, self.refit = self.refit, None
-            if refit.done is not None and refit.generation == self.generation:
+            if refit.done is not None:
                 fitted, steps = refit.done, refit.steps
             else:  # it failed, or found no work that varies: the last fit stays until the run grows again
                 work.steps = refit.steps
@@ -616,7 +612,7 @@ class LiveRun:
         """Start fitting the work model again on a thread, over the first ``n`` rows (views: the rows the
         updates write next are past them, and arrays that grow are new arrays), with its imbalance verdict
         (with the flags of the last update)."""
-        job = _Refit(n, self.generation)
+        job = _Refit(n)
         flagged = self.flagged if len(self.flagged) == len(self.ranks) else np.zeros(len(self.ranks), dtype=bool)
         ranks, cfg = self.ranks, self.cfg
 
@@ -633,11 +629,10 @@ class LiveRun:
                                 cfg.imbalance_min_slowdown, unit, column)  # fmt: skip
                 job.done = (column, unit, model, im)
             except Exception as e:  # noqa: BLE001 - a failed fit keeps the last model; the view goes on
-                job.failed = f"{type(e).__name__}: {e}"
                 self.fit_failures += 1
                 if self.fit_failures == 1:
-                    warnings.warn(f"stragglerwatch: the work model could not be fitted again ({job.failed}); "
-                                  "the last fit stays in use", RuntimeWarning, stacklevel=1)  # fmt: skip
+                    warnings.warn(f"stragglerwatch: the work model could not be fitted again ({type(e).__name__}: "
+                                  f"{e}); the last fit stays in use", RuntimeWarning, stacklevel=1)  # fmt: skip
 
         job.thread = threading.Thread(target=run, name="stragglerwatch-workfit", daemon=True)
         self.refit = job
