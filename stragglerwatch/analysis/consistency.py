@@ -409,59 +409,98 @@ def advance(
     n_ranks, n_levels = state.e.shape[1], len(levels)
     sc = levels[0]  # noise, skew and variance are the run's, whatever the floor
     p = _Levels.of(levels, cfg, n_ranks, state.costly.dtype)
-    delta, fraction, cap, skew = p.delta, p.fraction, p.cap, sc.skew
-    half_delta, size_bar, off = delta / 2.0, 0.75 * delta, delta * cfg.off_ratio
+    delta, cap, skew = p.delta, p.cap, sc.skew
+    size_bar, off = 0.75 * delta, delta * cfg.off_ratio
+    h0_half, low = p.h[0] / 2, -cap
     glr_var = 2.0 * cfg.decision * max(sc.variance, sc.noise**2)
     out = np.zeros((max(0, stop - start), n_ranks * n_levels), dtype=bool)
     c = carry
     lo = start
-    for s in range(start, stop):
-        if checkpoints is not None and s % every == 0:
-            checkpoints[s] = c.copy()
-        if s == start or s % _CHUNK == 0:
-            lo, hi = s, min((s // _CHUNK + 1) * _CHUNK, stop)
-            base = [_baselines(state, x, cfg, lo, hi) for x in levels]
-            trailing, margin, bars = (np.concatenate([b[i] for b in base], axis=1) for i in range(3))
-            e_all, m_all, lev_all, cost_all = (np.tile(a[lo:hi], (1, n_levels)) for a in
-                                               (state.e, state.med, state.level, state.costly))  # fmt: skip
-        i = s - lo
-        e_s, m, lev, lev_bar = e_all[i], m_all[i], lev_all[i], bars[i]
-        frozen = c.on | (c.cusum[0] > p.h[0] / 2)
-        fresh = ~(frozen & np.isfinite(c.base))
-        c.base = np.where(fresh, trailing[i], c.base)
-        c.unsure = np.where(fresh, margin[i], c.unsure)
-        score = np.clip(e_s - c.base, -cap, cap) - skew
-        seen = np.isfinite(score)
-        c.cusum = np.where(seen, np.maximum(0.0, c.cusum + (score - p.k - c.unsure)), c.cusum)
-        alarm = (c.cusum >= p.h).any(axis=0)
-        restart = seen & (c.cusum[0] == 0.0)
-        c.run_n = np.where(restart, 0.0, c.run_n + seen)
-        c.run_sum = np.where(restart, 0.0, c.run_sum + np.where(seen, score, 0.0))
-        level_off = (p.tolerance + lev_bar) / 2.0  # below it, a level flag clears (hysteresis)
-        certain = _level_glr(c, e_s, lev, trailing[i], p, skew, glr_var) if p.glr_any else False
-        with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for s in range(start, stop):
+            if checkpoints is not None and s % every == 0:
+                checkpoints[s] = c.copy()
+            if s == start or s % _CHUNK == 0:
+                lo, hi = s, min((s // _CHUNK + 1) * _CHUNK, stop)
+                ch = _chunk(state, levels, p, cfg, lo, hi)
+            i = s - lo
+            e_s, m, lev, trailing = ch.e[i], ch.m[i], ch.lev[i], ch.trailing[i]
+            # (each operation below is a plain ufunc where it can be: on a row of ranks their dispatch is the
+            # cost, and ``np.where``, ``np.clip`` and the ``where=`` forms cost two to four of them)
+            fresh = ~((c.on | (c.cusum[0] > h0_half)) & np.isfinite(c.base))
+            c.base = np.where(fresh, trailing, c.base)
+            c.unsure = np.where(fresh, ch.margin[i], c.unsure)
+            score = np.minimum(np.maximum(e_s - c.base, low), cap)
+            score -= skew
+            seen = np.isfinite(score)
+            step = score - p.k
+            step -= c.unsure
+            grown = np.maximum(c.cusum + step, 0.0)
+            all_seen = seen.all()
+            c.cusum = grown if all_seen else np.where(seen, grown, c.cusum)
+            alarm = (c.cusum[0] >= p.h[0]) | (c.cusum[1] >= p.h[1])
+            restart = seen & (c.cusum[0] == 0.0)
+            c.run_n = (c.run_n + seen) * ~restart
+            c.run_sum = (c.run_sum + (score if all_seen else np.where(seen, score, 0.0))) * ~restart
             # the change's size: its mean since the CUSUM rose (the maximum-likelihood estimate), and
             # the median of the last ``window`` steps (persistence: most recent steps are slow)
-            size = c.run_sum / c.run_n
-            change = alarm & (size >= size_bar) & (m - c.base >= p.persist) & (m >= half_delta)
-            slow = (change | (lev >= lev_bar) | (certain & (m >= delta))) & (cost_all[i] > fraction)
-            near = (m - c.base < off) | (m < off)
-            back = np.where(np.isfinite(c.base), near, m < level_off) & ~(lev >= level_off)
-        gap = np.isnan(m)  # too few steps in the window (a rank missing rows): no evidence either way
-        c.run_on = np.where(gap, c.run_on, np.where(slow, c.run_on + 1, 0))
-        c.run_off = np.where(gap, c.run_off, np.where(back, c.run_off + 1, 0))
-        cleared = c.on & (c.run_off >= cfg.confirm)
-        rising = ~c.on & (c.run_on >= cfg.confirm)
-        c.on = (c.on & ~cleared) | rising
-        # a flag the level GLR raised, long after the onset: the baseline to come back to is the one from before
-        # its run of excess began (the recent one holds the change itself)
-        if p.glr_any:
-            c.base = np.where(rising & certain & (c.above_base < c.base), c.above_base, c.base)
-        if cleared.any():
-            c.cusum[:, cleared] = 0.0
-            c.above[cleared], c.above_n[cleared] = 0.0, 0.0
-        out[s - start] = c.on
+            above_base = m - c.base
+            change = alarm & (c.run_sum / c.run_n >= size_bar) & (above_base >= p.persist) & ch.m_half[i]
+            slow = (change & ch.costly[i]) | ch.level_slow[i]
+            if p.glr_any:
+                certain = _level_glr(c, e_s, lev, trailing, p, skew, glr_var)
+                slow |= certain & (m >= delta) & ch.costly[i]
+            near = (above_base < off) | ch.m_off[i]
+            back = np.where(np.isfinite(c.base), near, ch.m_level_off[i]) & ch.not_level_off[i]
+            on = (c.run_on + 1) * slow
+            off_ = (c.run_off + 1) * back
+            if ch.gaps[i]:  # too few steps in the window (a rank missing rows): no evidence either way
+                on, off_ = np.where(ch.gap[i], c.run_on, on), np.where(ch.gap[i], c.run_off, off_)
+            c.run_on, c.run_off = on, off_
+            cleared = c.on & (c.run_off >= cfg.confirm)
+            rising = ~c.on & (c.run_on >= cfg.confirm)
+            c.on = (c.on & ~cleared) | rising
+            # a flag the level GLR raised, long after the onset: the baseline to come back to is the one from
+            # before its run of excess began (the recent one holds the change itself)
+            if p.glr_any:
+                c.base = np.where(rising & certain & (c.above_base < c.base), c.above_base, c.base)
+            if cleared.any():
+                c.cusum[:, cleared] = 0.0
+                c.above[cleared], c.above_n[cleared] = 0.0, 0.0
+            out[s - start] = c.on
     return out
+
+
+@dataclass
+class _Chunk:
+    """What :func:`advance` needs of steps ``lo:hi`` that no state changes, for every step of them at once (steps
+    x (levels x ranks)): the level test, the comparisons of the short median with fixed bars."""
+
+    e: np.ndarray
+    m: np.ndarray
+    lev: np.ndarray
+    trailing: np.ndarray  # each rank's baseline, its margin (``_baselines``)
+    margin: np.ndarray
+    costly: np.ndarray  # the excess costs at least the floor's share of its step
+    level_slow: np.ndarray  # the level test: the level median at its bar, and costly
+    m_half: np.ndarray  # the short median at least half the smallest change
+    m_off: np.ndarray  # the short median below where a flag clears
+    m_level_off: np.ndarray  # below where a level flag clears, and the level median below that too
+    not_level_off: np.ndarray
+    gap: np.ndarray  # no short median (too few steps)
+    gaps: list[bool]  # per step: some rank has a gap
+
+
+def _chunk(state: BlockState, levels: list[Scalars], p: _Levels, cfg: DetectConfig, lo: int, hi: int) -> _Chunk:
+    base = [_baselines(state, x, cfg, lo, hi) for x in levels]
+    trailing, margin, bars = (np.concatenate([b[i] for b in base], axis=1) for i in range(3))
+    n = len(levels)
+    e, m, lev, cost = (np.tile(a[lo:hi], (1, n)) for a in (state.e, state.med, state.level, state.costly))
+    level_off = (p.tolerance + bars) / 2.0  # below it, a level flag clears (hysteresis)
+    costly, gap = cost > p.fraction, np.isnan(m)
+    return _Chunk(e, m, lev, trailing, margin, costly, (lev >= bars) & costly, m >= p.delta / 2.0,
+                  m < p.delta * cfg.off_ratio, m < level_off, ~(lev >= level_off), gap,
+                  gap.any(axis=1).tolist())  # fmt: skip
 
 
 def _level_glr(c: Carry, e: np.ndarray, lev: np.ndarray, base: np.ndarray, p: _Levels, skew: float,
