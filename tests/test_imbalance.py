@@ -151,3 +151,27 @@ def test_a_slightly_heavier_shard_is_named_when_chance_cannot_explain_it() -> No
     assert im.heaviest_ranks == [0] and im.heaviest_share > 0.25
     assert "rank(s) 0 drew the heaviest batch" in advice(im)[0]
     assert detect(job(8, seed=4).matrix).imbalance.heaviest_ranks == []
+
+
+def test_the_second_pass_is_skipped_only_where_it_would_find_the_same() -> None:
+    """Once a first pass flags a rank, the healthy slopes are taken again without it and the flags found again;
+    where busy time's healthy slope came out the same (the flags read no other adjusted column) that second
+    pass is skipped. Each verdict equals the one with the second pass forced, the phases' new adjustment in it."""
+    import stragglerwatch.analysis.detect as d
+
+    same = d.imb.same_busy
+    outcomes = []
+    for ranks, factor, extra_s, seed in ((8, 1.3, 0.0, 0), (9, 1.0, 0.004, 1), (4, 1.3, 0.0, 2), (9, 1.0, 0.004, 3)):
+        j = job(ranks, factor=factor, extra_s=extra_s, seed=seed)
+        told: list[bool] = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(d.imb, "same_busy", lambda a, b, told=told: told.append(same(a, b)) or told[-1])
+            v = detect(j.matrix)
+            mp.setattr(d.imb, "same_busy", lambda a, b: False)
+            forced = detect(j.matrix)
+        assert told, "the first pass flagged nobody: no second pass to skip"
+        outcomes += told
+        assert [s.to_dict() for s in v.stragglers] == [s.to_dict() for s in forced.stragglers]
+        assert np.array_equal(v.flags, forced.flags) and v.thresholds == forced.thresholds
+        assert v.imbalance == forced.imbalance and v.lost_seconds == forced.lost_seconds
+    assert True in outcomes and False in outcomes, f"both a skipped and a second pass: {outcomes}"

@@ -23,7 +23,8 @@ Design (docs/analysis.md, "How detection works"):
    judged by its time per unit of work, never by the batches it drew; the imbalance's own cost is
    the verdict's ``imbalance``, and, once detected, part of the job's time lost. The healthy slopes
    are taken again without the flagged ranks (their own slopes are not fitted again), and the flags
-   found again, once a first pass flagged any.
+   found again, once a first pass flagged any (unless busy time's healthy slopes came out the same: the
+   flags read busy time alone).
 """
 
 from __future__ import annotations
@@ -270,11 +271,12 @@ def detect(
     values = imb.adjust(raw, model, g) if model is not None else raw
     say("flags")
     flagged = _flag(values, g, cfg)
-    if measured is not None and flagged[0].any():  # the healthy slopes again, from the ranks never flagged
+    if model is not None and flagged[0].any():  # the healthy slopes again, from the ranks never flagged
         say("flags again")
-        model = imb.model(rounds, g, measured, healthy=~flagged[0].any(axis=0))
+        first, model = model, imb.model(rounds, g, measured, healthy=~flagged[0].any(axis=0))
         values = imb.adjust(raw, model, g)
-        flagged = _flag(values, g, cfg)
+        if not imb.same_busy(first, model):  # else the same busy times: the same flags
+            flagged = _flag(values, g, cfg)
     flags, thresholds, excess, stats, classic = flagged
     say("stragglers")
     busy = values["busy_s"]

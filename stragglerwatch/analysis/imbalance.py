@@ -206,6 +206,12 @@ def model(rounds: Rounds, groups: Groups, measured: workfit.Measured, healthy: n
     return WorkModel(slopes, healthy_slope, measured.steps, measured.ref)
 
 
+def same_busy(a: WorkModel, b: WorkModel) -> bool:
+    """Whether two models adjust busy time alike (its healthy slopes equal, bit for bit): the flags, which read
+    busy time alone of the adjusted columns, are then the same."""
+    return np.array_equal(a.healthy["busy_s"], b.healthy["busy_s"])
+
+
 def step_mean(w: np.ndarray, groups: Groups) -> np.ndarray:
     """Per step and rank, the mean of ``w`` over the rank's group in that step."""
     ref = np.full_like(w, np.nan)
@@ -219,12 +225,13 @@ def adjust(values: dict[str, np.ndarray], model: WorkModel, groups: Groups, rows
     """``values`` (the run's ``rows`` and ``cols``; the fitted work as ``work``) with every :data:`ADJUSTED`
     column as it would be for the step's median work."""
     gidx = groups.index[cols]
-    dw = np.nan_to_num(values["work"] - model.ref[rows][:, gidx])
+    one = len(groups.members) == 1  # one group: its reference is one column, taken as it is
+    dw = np.nan_to_num(values["work"] - model.ref[rows][:, :1 if one else gidx], copy=False)
     out = dict(values)
     for c in ADJUSTED:
-        slope = model.healthy[c][gidx][None, :]
-        col = values[c].astype(np.float64) - slope * dw
-        out[c] = np.maximum(col, 0.0) if c != "busy_s" else np.where(np.isnan(values[c]), np.nan, col)
+        col = model.healthy[c][gidx][None, :] * dw
+        np.subtract(values[c], col, out=col, dtype=np.float64)  # in float64 whatever the column's type
+        out[c] = np.maximum(col, 0.0, out=col) if c != "busy_s" else np.where(np.isnan(values[c]), np.nan, col)
     return out
 
 

@@ -48,7 +48,7 @@ from stragglerwatch.analysis.report import (
     host_names,
     work_medians,
 )
-from stragglerwatch.analysis.rounds import joined, thinned
+from stragglerwatch.analysis.rounds import joined, thin_copy, thinned
 from stragglerwatch.analysis.stages import (
     Groups,
     HealthyStats,
@@ -146,7 +146,7 @@ def _thin_piece(piece: dict[str, np.ndarray], rows: slice, every: int, columns: 
     """The steps of a piece (of the part ``rows``) whose index in the run is a multiple of ``every``, its
     ``columns`` only (all where empty)."""
     kept = {c: v for c, v in piece.items() if not columns or c in columns}
-    return {c: np.ascontiguousarray(v) for c, v in thinned(kept, rows, every)[0].items()}
+    return thin_copy(thinned(kept, rows, every)[0])
 
 
 def _on_rows(fn: Callable[..., Any], rows: slice, n_blocks: int, work: str | None, every: int, *rest: Any) -> Any:
@@ -364,8 +364,11 @@ def analyze_on_ray(
     if measured is not None and any(found_blocks):  # the healthy slopes again, from the ranks never flagged
         never = np.ones(len(ranks), dtype=bool)
         never[[col for fb in found_blocks for col, *_ in fb]] = False
-        model = imb.model(rounds, groups, measured, healthy=never)
-        step_refs, r1, sc, found_blocks, model_ref = flag_pass(model)
+        first, model = model, imb.model(rounds, groups, measured, healthy=never)
+        if imb.same_busy(first, model):  # the same busy times, the same flags: the phases' adjustment alone changes
+            model_ref = ray.put(model)
+        else:
+            step_refs, r1, sc, found_blocks, model_ref = flag_pass(model)
     found = [f for fb in found_blocks for f in fb]
     never = np.ones(len(ranks), dtype=bool)
     never[[col for col, *_ in found]] = False
