@@ -68,7 +68,12 @@ class Whole:
             return self
         kept = {c: v for c, v in self.values.items() if not columns or c in columns}
         rows = thinned(kept, slice(0, len(kept["busy_s"])), every)[0]
-        return Whole({c: np.ascontiguousarray(v) for c, v in rows.items()})
+        return Whole(thin_copy(rows))
+
+
+def thin_copy(rows: Values) -> Values:
+    """Contiguous float64 copies of thinned columns (the fit's rounds read each column many times, in float64)."""
+    return {c: np.ascontiguousarray(v, dtype=np.float64 if v.dtype.kind == "f" else None) for c, v in rows.items()}
 
 
 def joined(parts: list[Any]) -> Any:

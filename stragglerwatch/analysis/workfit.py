@@ -27,7 +27,7 @@ engine (one slice) and Ray (many) fit the same slopes.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -56,6 +56,23 @@ class Cut:
     rowmed: dict[str, np.ndarray]  # steps x groups
     colmed: dict[str, np.ndarray]  # per rank
     bound: dict[str, np.ndarray]  # per rank (inf: every cell kept)
+    # the cells of each column and slice once found (every round of the refit asks again for the same ones):
+    # keyed by the slice and the slice's work array, which is held so that its id stays its own
+    kept: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
+
+    def cells(self, values: dict[str, np.ndarray], column: str, ok: np.ndarray, rows: slice, cols: slice,
+              gidx: np.ndarray) -> np.ndarray:  # fmt: skip
+        key = (column, id(values["work"]), rows.start, rows.stop, cols.start, cols.stop)
+        if key in self.kept:
+            return self.kept[key][1]
+        r = y_of(values, column) - self.b0[column][cols] * values["work"] - self.rowmed[column][rows][:, gidx]
+        with np.errstate(invalid="ignore"):
+            m = ok & (np.abs(r - self.colmed[column][cols]) <= self.bound[column][cols])
+        self.kept[key] = (values["work"], m)
+        return m
+
+    def __getstate__(self) -> dict:  # a copy sent elsewhere (a Ray task) finds its own cells
+        return {**self.__dict__, "kept": {}}
 
 
 @dataclass
@@ -83,11 +100,7 @@ def _ok(values: dict[str, np.ndarray], rows: slice, rows_ok: np.ndarray) -> np.n
 
 def _cells(values: dict[str, np.ndarray], column: str, ok: np.ndarray, rows: slice, cols: slice, gidx: np.ndarray,
            cut: Cut | None) -> np.ndarray:  # fmt: skip
-    if cut is None:
-        return ok
-    r = y_of(values, column) - cut.b0[column][cols] * values["work"] - cut.rowmed[column][rows][:, gidx]
-    with np.errstate(invalid="ignore"):
-        return ok & (np.abs(r - cut.colmed[column][cols]) <= cut.bound[column][cols])
+    return ok if cut is None else cut.cells(values, column, ok, rows, cols, gidx)
 
 
 # -- step rounds (every rank of a slice of the steps) -----------------------------------------------
