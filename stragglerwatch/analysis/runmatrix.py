@@ -186,6 +186,26 @@ def _read_ahead(files: Iterable[Path], names: list[str], ahead: int = 32) -> Ite
             yield pending.popleft().result()
 
 
+def _one_run(keys: np.ndarray, step: np.ndarray, rank: np.ndarray, known: np.ndarray, shift: np.ndarray,
+             steps: np.ndarray, ranks: np.ndarray) -> tuple[int, int] | None:  # fmt: skip
+    """Where a table that is one rank's consecutive steps of one known attempt, each a step of the plan, lies:
+    its first step's row and its rank's column; None for any other table (found row by row)."""
+    n = len(keys)
+    if not n or keys[0] != keys[-1] or rank[0] != rank[-1] or step[-1] - step[0] != n - 1:
+        return None
+    if not ((keys == keys[0]).all() and (rank == rank[0]).all() and (np.diff(step) == 1).all()):
+        return None
+    k, r = int(np.searchsorted(known, keys[0])), int(np.searchsorted(ranks, rank[0]))
+    if k >= len(known) or known[k] != keys[0] or r >= len(ranks) or ranks[r] != rank[0]:
+        return None
+    first = int(step[0] + shift[k])
+    i = int(np.searchsorted(steps, first))
+    # the plan's steps are sorted and unique: n of them from ``first`` on are consecutive where the last is
+    if i + n > len(steps) or steps[i] != first or steps[i + n - 1] != first + n - 1:
+        return None
+    return i, r
+
+
 def empty_values(n_steps: int, n_ranks: int) -> dict[str, np.ndarray]:
     """NaN arrays, column-major: a rank's steps lie together, as they are read."""
     return {c: np.full((n_steps, n_ranks), np.nan, dtype=np.float64 if c in FLOAT64_COLUMNS else np.float32,
@@ -213,11 +233,19 @@ def fill(
         if table is None or not known.size or not len(steps) or not len(ranks):
             continue
         keys = attempt_keys(table)
+        rank = table["rank"].to_numpy()
+        at = _one_run(keys, table["step"].to_numpy(), rank, known, shift, steps, ranks)
+        if at is not None:  # the usual file: one rank's consecutive steps of one attempt, all kept
+            si, ri = at
+            if units is not None:
+                count_units(table["work_unit"], units)
+            for col in VALUE_COLUMNS:
+                out[col][si : si + len(rank), ri] = table[col].to_numpy()
+            continue
         k = np.minimum(np.searchsorted(known, keys), len(known) - 1)
         ok = known[k] == keys
         step = table["step"].to_numpy() + shift[k]
         si = np.minimum(np.searchsorted(steps, step), len(steps) - 1)
-        rank = table["rank"].to_numpy()
         ri = np.minimum(np.searchsorted(ranks, rank), len(ranks) - 1)
         ok &= (steps[si] == step) & (ranks[ri] == rank)
         if units is not None:
