@@ -175,3 +175,27 @@ def test_the_second_pass_is_skipped_only_where_it_would_find_the_same() -> None:
         assert np.array_equal(v.flags, forced.flags) and v.thresholds == forced.thresholds
         assert v.imbalance == forced.imbalance and v.lost_seconds == forced.lost_seconds
     assert True in outcomes and False in outcomes, f"both a skipped and a second pass: {outcomes}"
+
+
+@pytest.mark.parametrize("n_groups", [1, 3])
+def test_each_rank_is_adjusted_to_its_groups_median_work_with_its_groups_slope(n_groups: int) -> None:
+    from stragglerwatch.analysis.imbalance import ADJUSTED, WorkModel, adjust
+    from stragglerwatch.analysis.stages import Groups
+
+    rng = np.random.default_rng(5)
+    steps, ranks = 40, 7
+    groups = Groups.of(np.arange(ranks), {r: f"stage{r % n_groups}" for r in range(ranks)})
+    values = {c: rng.uniform(0.01, 0.02, (steps, ranks)).astype(np.float32 if c != "busy_s" else np.float64)
+              for c in ADJUSTED}  # fmt: skip
+    values["busy_s"][3, 2] = np.nan
+    values["work"] = rng.uniform(1000.0, 5000.0, (steps, ranks))
+    ref = rng.uniform(2000.0, 3000.0, (steps, n_groups))
+    healthy = {c: rng.uniform(1e-6, 3e-6, n_groups) for c in ADJUSTED}
+    out = adjust(values, WorkModel({}, healthy, steps, ref), groups)
+    for c in ADJUSTED:
+        for r in range(ranks):
+            g = groups.index[r]
+            want = values[c][:, r].astype(np.float64) - healthy[c][g] * (values["work"][:, r] - ref[:, g])
+            want = want if c == "busy_s" else np.maximum(want, 0.0)
+            np.testing.assert_allclose(out[c][:, r], want, rtol=1e-12)
+    assert np.isnan(out["busy_s"][3, 2]) and out["busy_s"].dtype == np.float64 and out["forward_s"].dtype == np.float64

@@ -226,7 +226,7 @@ def adjust(values: dict[str, np.ndarray], model: WorkModel, groups: Groups, rows
     column as it would be for the step's median work."""
     gidx = groups.index[cols]
     one = len(groups.members) == 1  # one group: its reference is one column, taken as it is
-    dw = np.nan_to_num(values["work"] - model.ref[rows][:, :1 if one else gidx], copy=False)
+    dw = np.nan_to_num(values["work"] - model.ref[rows][:, slice(0, 1) if one else gidx], copy=False)
     out = dict(values)
     for c in ADJUSTED:
         col = model.healthy[c][gidx][None, :] * dw
