@@ -43,7 +43,7 @@ from stragglerwatch.analysis.consistency import AT_CLASSIC
 from stragglerwatch.analysis.consistency import flags as consistency_flags
 from stragglerwatch.analysis.cost import cost_in_turn
 from stragglerwatch.analysis.episodes import spells
-from stragglerwatch.analysis.rounds import Whole
+from stragglerwatch.analysis.rounds import Whole, on_threads, slices
 from stragglerwatch.analysis.stages import (
     CAUSES,
     Groups,
@@ -282,7 +282,9 @@ def detect(
     busy = values["busy_s"]
     phases = cause_phases(values)
     never = ~flags.any(axis=0)
-    health = healthy_stage(busy, phases, flags, never, g)
+    parts = slices(*busy.shape)  # each step part in a thread of its own (they are independent, as on Ray)
+    health = HealthyStats.joined(on_threads([lambda p=p: healthy_stage(busy[p], [x[p] for x in phases], flags[p],
+                                                                       never, g) for p in parts]))  # fmt: skip
     found = []
     cuts = cut_indices(mat.cuts, mat.steps)
     for j in np.flatnonzero(flags.any(axis=0)):
@@ -319,7 +321,10 @@ def _flag(values: dict[str, np.ndarray], g: Groups, cfg: DetectConfig
           ) -> tuple[np.ndarray, dict[str, float], np.ndarray, StepStats, np.ndarray]:  # fmt: skip
     """The flags of every rank and step, the thresholds, the excess, the per-step figures, and where the
     flags are at the fixed floor (``consistency.round3``)."""
-    excess, costly, stats = step_stage(values["busy_s"], values["step_s"], values["comm_wait_s"], g, cfg)
+    busy, step_s, wait = values["busy_s"], values["step_s"], values["comm_wait_s"]
+    parts = on_threads([lambda p=p: step_stage(busy[p], step_s[p], wait[p], g, cfg) for p in slices(*busy.shape)])
+    excess, costly = (np.concatenate([x[i] for x in parts]) if len(parts) > 1 else parts[0][i] for i in (0, 1))
+    stats = StepStats.joined([x[2] for x in parts]) if len(parts) > 1 else parts[0][2]
     levels, thresholds = consistency_flags(excess, costly, cfg)
     return levels > 0, thresholds, excess, stats, (levels & AT_CLASSIC) > 0
 

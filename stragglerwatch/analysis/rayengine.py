@@ -377,9 +377,8 @@ def analyze_on_ray(
                                                  *[ld[1 + p] for ld in loads])
                        for p, rows in enumerate(parts)])  # fmt: skip
     stats_times = ray.get([sr[0] for sr in step_refs])
-    stats = _concat_stats([s for s, _ in stats_times])
-    health = HealthyStats(np.concatenate([h.ref_h for h in healthy]), np.concatenate([h.ref_job for h in healthy]),
-                          np.concatenate([h.peer_phase for h in healthy]))  # fmt: skip
+    stats = StepStats.joined([s for s, _ in stats_times])
+    health = HealthyStats.joined(healthy)
     hosts = host_names(ranks, rank_meta)
     job = {"ref_h": health.ref_h, "top_v": stats.top_v, "top_c": stats.top_c,
            "peer_phase": health.peer_phase, "healthy": never & groups.paired(), "hosts": hosts,
@@ -443,10 +442,6 @@ def _arrival_matrix(ray: Any, path: Path, files: list[Path], plan: runmatrix.Ste
 def _pick(piece: dict[str, np.ndarray], column: str) -> np.ndarray:
     """One column of a piece (NaN where its block never recorded it)."""
     return piece[column] if column in piece else np.full(piece["busy_s"].shape, np.nan, dtype=np.float32)
-
-
-def _concat_stats(parts: list[StepStats]) -> StepStats:
-    return StepStats(*(np.concatenate([getattr(p, f) for p in parts]) for f in StepStats.__dataclass_fields__))
 
 
 def stderr_progress(stage: str) -> None:

@@ -47,21 +47,44 @@ def thinned(values: Values, rows: slice, every: int) -> tuple[Values, slice]:
     return {c: v[offset::every] for c, v in values.items()}, slice(first, last)
 
 
+#: A round on at least this many cells runs on slices in threads (:class:`Whole`).
+ROUND_CELLS = 1 << 18
+
+
 @dataclass
 class Whole:
-    """Every round on the whole of a steps x ranks ``values`` at once."""
+    """Every round on a steps x ranks ``values`` in this process: on the whole at once, or, where it is large, on
+    one slice of the steps (or the ranks) per core, in threads (numpy's loops release the interpreter lock). A
+    round's results depend on its slice alone, so the slices change nothing of them (as on Ray)."""
 
     values: Values
+    threads: int = 0  # at most; 0: :func:`workers`
 
     def _all(self) -> tuple[slice, slice]:
         s, r = self.values["busy_s"].shape
         return slice(0, s), slice(0, r)
 
+    def _slices(self, n: int, other: int) -> list[slice]:
+        return slices(n, other, self.threads)
+
+    def _cut(self, axis: int, part: slice) -> Values:
+        n = self.values["busy_s"].shape[axis]
+        return {c: (v[part] if axis == 0 else v[:, part]) if v.ndim == 2 and v.shape[axis] == n else v
+                for c, v in self.values.items()}  # fmt: skip
+
     def by_steps(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        return [fn(self.values, *self._all(), *args)]
+        rows, cols = self._all()
+        parts = self._slices(rows.stop, cols.stop)
+        if len(parts) == 1:
+            return [fn(self.values, rows, cols, *args)]
+        return on_threads([lambda p=p: fn(self._cut(0, p), p, cols, *args) for p in parts])
 
     def by_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        return [fn(self.values, *self._all(), *args)]
+        rows, cols = self._all()
+        parts = self._slices(cols.stop, rows.stop)
+        if len(parts) == 1:
+            return [fn(self.values, rows, cols, *args)]
+        return on_threads([lambda p=p: fn(self._cut(1, p), rows, p, *args) for p in parts])
 
     def thin(self, every: int, columns: tuple[str, ...] = ()) -> Whole:
         if every == 1:
@@ -144,6 +167,24 @@ def workers() -> int:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     return max(1, min(4, cores))
+
+
+def slices(n: int, other: int, threads: int = 0) -> list[slice]:
+    """``n`` rows (or columns) of ``other`` each as one slice per thread where they are at least
+    :data:`ROUND_CELLS` cells (``threads`` at most; 0: :func:`workers`), else one slice."""
+    k = threads or workers()
+    if k < 2 or n * other < ROUND_CELLS or n < 2 * k:
+        return [slice(0, n)]
+    edges = np.linspace(0, n, k + 1).astype(int)
+    return [slice(int(a), int(b)) for a, b in zip(edges, edges[1:], strict=False)]
+
+
+def on_threads(calls: list[Callable[[], Any]]) -> list[Any]:
+    """The calls' results, in order, each call on a thread of its own (one: here)."""
+    if len(calls) == 1:
+        return [calls[0]()]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
 
 
 def _in_chunks(fn: Callable[[np.ndarray], np.ndarray], a: np.ndarray, along: int, out_axis: int) -> np.ndarray:

@@ -94,6 +94,11 @@ class StepStats:
     top_v: np.ndarray  # steps x groups x ``cost.TOP_K``: each group's busiest busy times (descending), and
     top_c: np.ndarray  # their columns
 
+    @classmethod
+    def joined(cls, parts: list[StepStats]) -> StepStats:
+        """The figures of consecutive step parts, as one part's."""
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls.__dataclass_fields__))
+
 
 def peer_reference(busy: np.ndarray, members: np.ndarray) -> np.ndarray:
     """Per step and rank, the median busy time of the rank's peers (``members``: column
@@ -160,6 +165,11 @@ class HealthyStats:
     ref_h: np.ndarray  # steps x groups: median busy time of the group's unflagged ranks
     ref_job: np.ndarray  # median over every rank of its group's ``ref_h``
     peer_phase: np.ndarray  # steps x causes: the healthy ranks' median time of each cause's phases
+
+    @classmethod
+    def joined(cls, parts: list[HealthyStats]) -> HealthyStats:
+        """The figures of consecutive step parts, as one part's."""
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls.__dataclass_fields__))
 
 
 def cause_phases(values: dict[str, np.ndarray]) -> list[np.ndarray]:
