@@ -169,10 +169,11 @@ _DERIVED = {
 
 def upgrade(table: pa.Table, names: list[str]) -> pa.Table:
     """``table`` (of any readable minor version) with the columns ``names``, in that order."""
+    have = set(table.column_names)
     for name in names:
-        if name not in table.column_names:
+        if name not in have:
             table = table.append_column(STEP_SCHEMA.field(name), _DERIVED[name](table))
-    return table.select(names)
+    return table if table.column_names == list(names) else table.select(names)
 
 
 def read_columns(file_names: list[str], wanted: list[str]) -> list[str]:

@@ -11,6 +11,7 @@ skipped with a :class:`RunDirWarning`, never a traceback.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import re
@@ -138,13 +139,14 @@ def _read_log(path: Path, columns: list[str]) -> pa.Table | None:
 
 def _read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table | None:
     try:
-        file_schema = pq.read_schema(path)
-        problem = schema_compatible(file_schema)
-        if problem:
-            _warn(f"{path}: skipped: {problem}")
-            return None
-        wanted = read_columns(file_schema.names, columns) if columns is not None else None
-        table = pq.read_table(path, columns=wanted)
+        with pq.ParquetFile(path) as log:  # its footer parsed once (``read_table`` would again, and cost more)
+            file_schema = log.schema_arrow
+            problem = schema_compatible(file_schema)
+            if problem:
+                _warn(f"{path}: skipped: {problem}")
+                return None
+            wanted = read_columns(file_schema.names, columns) if columns is not None else None
+            table = log.read(columns=wanted)
     except (pa.ArrowException, OSError, ValueError) as exc:
         _warn(f"{path}: skipped: unreadable Parquet ({exc})")
         return None
@@ -195,17 +197,25 @@ def read_log(f: Path, names: list[str], warn: Callable[[str], None] = _warn) -> 
     return conform(_read_log(f, names), names, f, warn)
 
 
+@functools.lru_cache(maxsize=32)
+def _schema(names: tuple[str, ...]) -> pa.Schema:
+    return pa.schema([STEP_SCHEMA.field(n) for n in names])
+
+
 def conform(table: pa.Table | None, names: list[str], f: Path, warn: Callable[[str], None] = _warn) -> pa.Table | None:
     """A table read from the step log ``f`` with the columns ``names`` of this schema (upgraded, cast,
     damaged ranks dropped), or None when it has no record it can give."""
     if table is None or not table.num_rows:
         return None
-    schema = pa.schema([STEP_SCHEMA.field(n) for n in names])
+    schema = _schema(tuple(names))
     try:
         table = upgrade(table, names).cast(schema)
     except (pa.ArrowException, ValueError, KeyError) as exc:
         warn(f"{f}: skipped: its columns cannot be read as a step log ({exc})")
         return None
+    lo, hi = pc.min_max(table["rank"]).values()  # one pass where every rank is in range (the usual log)
+    if lo.as_py() is not None and lo.as_py() >= 0 and hi.as_py() < MAX_RANKS:
+        return table
     valid = pc.and_(pc.greater_equal(table["rank"], 0), pc.less(table["rank"], MAX_RANKS))
     if not pc.all(valid).as_py():
         warn(f"{f}: {table.num_rows - pc.sum(valid).as_py()} record(s) skipped: rank out of range (damaged)")
