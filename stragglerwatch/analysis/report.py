@@ -17,6 +17,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from stragglerwatch.analysis.reportschema import (
     StragglerEntry,
     Unavailable,
 )
+from stragglerwatch.analysis.rounds import workers
 from stragglerwatch.analysis.stages import Groups, last_rows, nanmedian, rank_medians
 from stragglerwatch.analysis.thresholds import DetectConfig
 from stragglerwatch.record.codelog import load_code
@@ -284,9 +286,10 @@ def analyze_run(
             progress(done[0], total)
 
     scans = []
-    for f in files:
-        scans.append(runmatrix.scan_file(f))
-        tick()
+    with ThreadPoolExecutor(workers()) as pool:  # Arrow parses the footers without the interpreter lock
+        for scan in pool.map(runmatrix.scan_file, files):
+            scans.append(scan)
+            tick()
     plan = runmatrix.plan(scans)
     units: dict[str, int] = {}
     values = runmatrix.fill(files, plan, plan.ranks, tick, units)

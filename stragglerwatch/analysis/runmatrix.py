@@ -14,6 +14,7 @@ Only the columns analysis needs are read; the per-bucket lists never are.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -173,13 +174,13 @@ def _expand(spans: list[np.ndarray]) -> np.ndarray:
     return np.concatenate([np.arange(a, b + 1, dtype=np.int64) for a, b in merged])
 
 
-def _read_ahead(files: Iterable[Path], names: list[str], ahead: int = 32) -> Iterator[pa.Table | None]:
-    """The files' tables (columns ``names``) in order, read by a few threads ahead of the caller (Arrow reads
-    without holding the interpreter lock)."""
+def _read_ahead(files: Iterable[Path], read: Callable[[Path], Any], ahead: int = 32) -> Iterator[Any]:
+    """``read`` of each file, in order, run by a few threads ahead of the caller (Arrow reads without holding the
+    interpreter lock)."""
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        pending: deque[Future[pa.Table | None]] = deque()
+        pending: deque[Future[Any]] = deque()
         for f in files:
-            pending.append(pool.submit(read_log, f, names, _quiet))
+            pending.append(pool.submit(read, f))
             if len(pending) >= ahead:
                 yield pending.popleft().result()
         while pending:
@@ -206,6 +207,33 @@ def _one_run(keys: np.ndarray, step: np.ndarray, rank: np.ndarray, known: np.nda
     return i, r
 
 
+def _placed(f: Path, names: list[str], known: np.ndarray, shift: np.ndarray, steps: np.ndarray, ranks: np.ndarray,
+            count: bool) -> tuple[dict[str, np.ndarray], tuple, dict[str, int]] | None:  # fmt: skip
+    """A step log's value columns, where they go (the first row and the column of one rank's consecutive steps, or
+    the rows and columns of each record kept), and its units counted (``count``); None: no record to keep.
+    (Rows of ranks or attempts not in the plan, and rows written after the scan, are left out.)"""
+    table = read_log(f, names, _quiet)
+    if table is None:
+        return None
+    counted: dict[str, int] = {}
+    keys = attempt_keys(table)
+    rank = table["rank"].to_numpy()
+    at = _one_run(keys, table["step"].to_numpy(), rank, known, shift, steps, ranks)
+    if at is not None:  # the usual file: one rank's consecutive steps of one attempt, all kept
+        if count:
+            count_units(table["work_unit"], counted)
+        return {col: table[col].to_numpy() for col in VALUE_COLUMNS}, at, counted
+    k = np.minimum(np.searchsorted(known, keys), len(known) - 1)
+    ok = known[k] == keys
+    step = table["step"].to_numpy() + shift[k]
+    si = np.minimum(np.searchsorted(steps, step), len(steps) - 1)
+    ri = np.minimum(np.searchsorted(ranks, rank), len(ranks) - 1)
+    ok &= (steps[si] == step) & (ranks[ri] == rank)
+    if count:
+        count_units(table["work_unit"] if ok.all() else table["work_unit"].filter(pa.array(ok)), counted)
+    return {col: table[col].to_numpy()[ok] for col in VALUE_COLUMNS}, (si[ok], ri[ok]), counted
+
+
 def empty_values(n_steps: int, n_ranks: int) -> dict[str, np.ndarray]:
     """NaN arrays, column-major: a rank's steps lie together, as they are read."""
     return {c: np.full((n_steps, n_ranks), np.nan, dtype=np.float64 if c in FLOAT64_COLUMNS else np.float32,
@@ -227,35 +255,27 @@ def fill(
     known = np.array(sorted(step_plan.offsets), dtype=np.int64)
     shift = np.array([step_plan.offsets[k] for k in known], dtype=np.int64)
     names = [*ID_COLUMNS, *VALUE_COLUMNS, *(["work_unit"] if units is not None else [])]
-    for table in _read_ahead(files, names):
+    if not known.size or not len(steps) or not len(ranks):  # nothing a record could be placed in
+        for _ in files:
+            if progress:
+                progress()
+        return out
+    place = functools.partial(_placed, names=names, known=known, shift=shift, steps=steps, ranks=ranks,
+                              count=units is not None)  # fmt: skip
+    for got in _read_ahead(files, place):  # each file read and placed by a reader thread; written here, in order
         if progress:
             progress()
-        if table is None or not known.size or not len(steps) or not len(ranks):
+        if got is None:
             continue
-        keys = attempt_keys(table)
-        rank = table["rank"].to_numpy()
-        at = _one_run(keys, table["step"].to_numpy(), rank, known, shift, steps, ranks)
-        if at is not None:  # the usual file: one rank's consecutive steps of one attempt, all kept
-            si, ri = at
-            if units is not None:
-                count_units(table["work_unit"], units)
-            for col in VALUE_COLUMNS:
-                out[col][si : si + len(rank), ri] = table[col].to_numpy()
-            continue
-        k = np.minimum(np.searchsorted(known, keys), len(known) - 1)
-        ok = known[k] == keys
-        step = table["step"].to_numpy() + shift[k]
-        si = np.minimum(np.searchsorted(steps, step), len(steps) - 1)
-        ri = np.minimum(np.searchsorted(ranks, rank), len(ranks) - 1)
-        ok &= (steps[si] == step) & (ranks[ri] == rank)
+        columns, at, counted = got
         if units is not None:
-            count_units(table["work_unit"] if ok.all() else table["work_unit"].filter(pa.array(ok)), units)
-        si, ri = si[ok], ri[ok]
-        run = bool(ok.all()) and si.size and ri[0] == ri[-1] and si[-1] - si[0] == si.size - 1 and (
-            si.size < 2 or bool(np.all(np.diff(si) == 1)))  # fmt: skip
-        for col in VALUE_COLUMNS:
-            if run:  # one rank's consecutive steps: a slice of its column
-                out[col][si[0] : si[-1] + 1, ri[0]] = table[col].to_numpy()
-            else:
-                out[col][si, ri] = table[col].to_numpy()[ok]
+            for unit, n in counted.items():
+                units[unit] = units.get(unit, 0) + n
+        if isinstance(at[0], int):  # one rank's consecutive steps: a slice of its column
+            si, ri = at
+            for col in VALUE_COLUMNS:
+                out[col][si : si + len(columns[col]), ri] = columns[col]
+        else:
+            for col in VALUE_COLUMNS:
+                out[col][at] = columns[col]
     return out
