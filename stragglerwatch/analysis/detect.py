@@ -274,7 +274,7 @@ def detect(
     if model is not None and flagged[0].any():  # the healthy slopes again, from the ranks never flagged
         say("flags again")
         first, model = model, imb.model(rounds, g, measured, healthy=~flagged[0].any(axis=0))
-        values = imb.adjust(raw, model, g)
+        values = imb.adjust(raw, model, g, before=(first, values))
         if not imb.same_busy(first, model):  # else the same busy times: the same flags
             flagged = _flag(values, g, cfg)
     flags, thresholds, excess, stats, classic = flagged

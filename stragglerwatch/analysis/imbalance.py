@@ -221,14 +221,20 @@ def step_mean(w: np.ndarray, groups: Groups) -> np.ndarray:
 
 
 def adjust(values: dict[str, np.ndarray], model: WorkModel, groups: Groups, rows: slice = slice(None),
-           cols: slice = slice(None)) -> dict[str, np.ndarray]:  # fmt: skip
+           cols: slice = slice(None), before: tuple[WorkModel, dict[str, np.ndarray]] | None = None
+           ) -> dict[str, np.ndarray]:  # fmt: skip
     """``values`` (the run's ``rows`` and ``cols``; the fitted work as ``work``) with every :data:`ADJUSTED`
-    column as it would be for the step's median work."""
+    column as it would be for the step's median work. ``before``: another model and what it adjusted the same
+    ``values`` to; a column whose healthy slopes are the same in both is taken from it as it is."""
     gidx = groups.index[cols]
     one = len(groups.members) == 1  # one group: its reference is one column, taken as it is
     dw = np.nan_to_num(values["work"] - model.ref[rows][:, slice(0, 1) if one else gidx], copy=False)
     out = dict(values)
+    same_ref = before is not None and (before[0].ref is model.ref or np.array_equal(before[0].ref, model.ref))
     for c in ADJUSTED:
+        if before is not None and same_ref and np.array_equal(before[0].healthy[c], model.healthy[c]):
+            out[c] = before[1][c]
+            continue
         col = model.healthy[c][gidx][None, :] * dw
         np.subtract(values[c], col, out=col, dtype=np.float64)  # in float64 whatever the column's type
         out[c] = np.maximum(col, 0.0, out=col) if c != "busy_s" else np.where(np.isnan(values[c]), np.nan, col)
