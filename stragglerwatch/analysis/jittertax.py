@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from stragglerwatch.analysis.rounds import workers
+from stragglerwatch.analysis.stages import nanmedian
 
 #: The job sizes projected, as multiples of today's ranks.
 SCALES = (1, 2, 8, 64)
@@ -106,17 +107,21 @@ def host_deviations(relative: np.ndarray, hosts: np.ndarray, names: np.ndarray |
     """Steps x hosts (``names``, default: the distinct ``hosts``): the largest deviation of a host's ranks,
     each rank's own lasting offset taken out (``relative``: steps x ranks, busy over the healthy peers'
     reference of the step; NaN: no record). Per-block results combine with ``np.fmax``."""
-    with np.errstate(invalid="ignore"):
-        offset = np.nanmedian(relative, axis=0, keepdims=True) if relative.size else relative[:1]
-    dev = relative - offset  # a rank's lasting offset is not jitter
+    offset = nanmedian(relative, axis=0)[None, :] if relative.size else relative[:1]
     names = np.unique(hosts) if names is None else names
     out = np.full((relative.shape[0], len(names)), np.nan)
-    for k, name in enumerate(names):
-        cols = dev[:, hosts == name]
-        if not cols.shape[1]:  # none of its ranks here (a rank block of the Ray engine)
-            continue
-        ok = np.isfinite(cols).any(axis=1)
-        out[ok, k] = np.nanmax(cols[ok], axis=1)
+    if not relative.shape[1] or not relative.shape[0]:
+        return out
+    here, inverse = np.unique(hosts, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")  # each host's ranks side by side
+    starts = np.flatnonzero(np.r_[True, np.diff(inverse[order]) != 0])
+    with np.errstate(invalid="ignore"):
+        dev = relative[:, order] - offset[:, order]  # a rank's lasting offset is not jitter
+        largest = np.fmax.reduceat(dev, starts, axis=1)  # NaN only where none of the host's ranks recorded
+    at = {str(name): k for k, name in enumerate(names)}
+    for j, name in enumerate(here):
+        if str(name) in at:  # (a rank block of the Ray engine holds some of the job's hosts)
+            out[:, at[str(name)]] = largest[:, j]
     return out
 
 
