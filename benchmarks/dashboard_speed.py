@@ -90,7 +90,10 @@ def end_to_end(cfg: SimConfig, first: int, flush_steps: int, poll_s: float) -> N
                 window = {k: [] for k in window}
         grower.close()
         t0 = time.perf_counter()
-        while not source.live.exact and time.perf_counter() - t0 < 120:
+        # settled: the exact analysis is the one published (the source publishes it after the update that made it)
+        while not (source.live.exact and source.snapshot().analysis is source.live.analysis):
+            if time.perf_counter() - t0 > 120:
+                break
             time.sleep(0.05)
         settled = time.perf_counter() - t0
         report = json.loads(json.dumps(source.snapshot().analysis.report))
