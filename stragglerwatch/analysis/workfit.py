@@ -57,12 +57,15 @@ class Cut:
     colmed: dict[str, np.ndarray]  # per rank
     bound: dict[str, np.ndarray]  # per rank (inf: every cell kept)
     # the cells of each column and slice once found (every round of the refit asks again for the same ones):
-    # keyed by the slice and the slice's work array, which is held so that its id stays its own
+    # keyed by the slice and where its work lies in memory (a slice is a new view at every round), whose array is
+    # held so that the memory stays its own
     kept: dict[tuple, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
 
     def cells(self, values: dict[str, np.ndarray], column: str, ok: np.ndarray, rows: slice, cols: slice,
               gidx: np.ndarray) -> np.ndarray:  # fmt: skip
-        key = (column, id(values["work"]), rows.start, rows.stop, cols.start, cols.stop)
+        w = values["work"]
+        key = (column, w.__array_interface__["data"][0], w.shape, w.strides, rows.start, rows.stop, cols.start,
+               cols.stop)  # fmt: skip
         if key in self.kept:
             return self.kept[key][1]
         r = y_of(values, column) - self.b0[column][cols] * values["work"] - self.rowmed[column][rows][:, gidx]
