@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ from stragglerwatch.record.context import load_context
 from stragglerwatch.record.events import read_events
 from stragglerwatch.record.rundir import read_rank_meta, read_run_meta, where_ran
 from stragglerwatch.record.schema import PHASE_COLUMNS
-from stragglerwatch.record.steplog import most_common_unit, run_files, world_size
+from stragglerwatch.record.steplog import RunDirWarning, most_common_unit, run_files, world_size
 
 #: The per-rank medians of the report's ``ranks`` rows.
 RANK_COLUMNS = ("step_s", "busy_s", "comm_wait_s", *PHASE_COLUMNS)
@@ -229,8 +230,9 @@ def lost_split(verdict: Verdict) -> dict[str, float]:
 
 def jitter_projection(verdict: Verdict, figures: RankFigures, rank_meta: dict[int, dict]) -> dict | None:
     """The jitter tax at 2, 8 and 64 times today's ranks (``jittertax.py``), from the ranks never flagged."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        share = float(np.nanmedian(figures.medians["busy_s"]) / np.nanmedian(figures.medians["step_s"]))
+    busy, step = (x[np.isfinite(x)] for x in (figures.medians["busy_s"], figures.medians["step_s"]))
+    with np.errstate(invalid="ignore", divide="ignore"):  # (no rank with a record: NaN, without a warning)
+        share = float(np.median(busy) / np.median(step)) if busy.size and step.size else float("nan")
     share = share if np.isfinite(share) and share > 0 else 1.0
     if verdict.jitter_hosts is not None:  # the Ray engine's, reduced over its rank blocks
         return project_hosts(verdict.jitter_hosts, verdict.jitter_ranks, share).to_dict()
@@ -285,10 +287,16 @@ def analyze_run(
         if progress:
             progress(done[0], total)
 
+    def scan(f: Path) -> tuple[runmatrix.FileScan | None, list[str]]:
+        said: list[str] = []
+        return runmatrix.scan_file(f, said.append), said
+
     scans = []
     with ThreadPoolExecutor(workers()) as pool:  # Arrow parses the footers without the interpreter lock
-        for scan in pool.map(runmatrix.scan_file, files):
-            scans.append(scan)
+        for found, said in pool.map(scan, files):
+            for message in said:  # in file order, whichever thread read the file
+                warnings.warn(message, RunDirWarning, stacklevel=2)
+            scans.append(found)
             tick()
     plan = runmatrix.plan(scans)
     units: dict[str, int] = {}

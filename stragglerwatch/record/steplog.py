@@ -123,32 +123,33 @@ def read_arrow_stream(
         return None
 
 
-def _read_stream(path: Path, quiet: bool = False) -> pa.Table | None:
-    return read_arrow_stream(path, schema_compatible, (lambda message: None) if quiet else _warn)
+def _read_stream(path: Path, quiet: bool = False, warn: Callable[[str], None] = _warn) -> pa.Table | None:
+    return read_arrow_stream(path, schema_compatible, (lambda message: None) if quiet else warn)
 
 
-def _read_log(path: Path, columns: list[str]) -> pa.Table | None:
+def _read_log(path: Path, columns: list[str], warn: Callable[[str], None] = _warn) -> pa.Table | None:
     if path.suffix == ".parquet":
-        return _read_parquet(path, columns)
+        return _read_parquet(path, columns, warn)
     try:
-        return _read_stream(path)
+        return _read_stream(path, warn=warn)
     except FileNotFoundError:  # compacted to Parquet by its rank's close() while we listed the dir
         twin = path.with_suffix(".parquet")
-        return _read_parquet(twin, columns) if twin.exists() else None
+        return _read_parquet(twin, columns, warn) if twin.exists() else None
 
 
-def _read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table | None:
+def _read_parquet(path: Path, columns: list[str] | None = None, warn: Callable[[str], None] = _warn
+                  ) -> pa.Table | None:  # fmt: skip
     try:
         with pq.ParquetFile(path) as log:  # its footer parsed once (``read_table`` would again, and cost more)
             file_schema = log.schema_arrow
             problem = schema_compatible(file_schema)
             if problem:
-                _warn(f"{path}: skipped: {problem}")
+                warn(f"{path}: skipped: {problem}")
                 return None
             wanted = read_columns(file_schema.names, columns) if columns is not None else None
             table = log.read(columns=wanted)
     except (pa.ArrowException, OSError, ValueError) as exc:
-        _warn(f"{path}: skipped: unreadable Parquet ({exc})")
+        warn(f"{path}: skipped: unreadable Parquet ({exc})")
         return None
     return table
 
@@ -194,7 +195,7 @@ def log_columns(columns: Sequence[str] | None) -> list[str]:
 def read_log(f: Path, names: list[str], warn: Callable[[str], None] = _warn) -> pa.Table | None:
     """One step log's readable records with the columns ``names`` (validated, upgraded to this
     schema, damaged ranks dropped), or None; every problem is one ``warn`` line."""
-    return conform(_read_log(f, names), names, f, warn)
+    return conform(_read_log(f, names, warn), names, f, warn)
 
 
 @functools.lru_cache(maxsize=32)
