@@ -13,6 +13,7 @@ driver code between rounds combines them in order, so whatever the slices the re
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -180,10 +181,13 @@ def slices(n: int, other: int, threads: int = 0) -> list[slice]:
 
 
 def on_threads(calls: list[Callable[[], Any]]) -> list[Any]:
-    """The calls' results, in order, each call on a thread of its own (one: here)."""
+    """The calls' results, in order, each call on a thread of its own (one: here). numpy's runtime warnings (an
+    empty slice's mean) are not shown meanwhile: the calls' own ``catch_warnings`` blocks, which are not
+    thread-safe, then restore states that all ignore them, and this block restores the caller's at its end."""
     if len(calls) == 1:
         return [calls[0]()]
-    with ThreadPoolExecutor(len(calls)) as pool:
+    with warnings.catch_warnings(), ThreadPoolExecutor(len(calls)) as pool:
+        warnings.simplefilter("ignore", RuntimeWarning)
         return [f.result() for f in [pool.submit(call) for call in calls]]
 
 
