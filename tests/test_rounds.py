@@ -12,7 +12,7 @@ import pytest
 from stragglerwatch.analysis import imbalance as imb
 from stragglerwatch.analysis import workfit
 from stragglerwatch.analysis.detect import detect, to_matrix
-from stragglerwatch.analysis.rounds import Whole, thinned
+from stragglerwatch.analysis.rounds import Whole, slices, thinned
 from stragglerwatch.analysis.stages import Groups
 from stragglerwatch.record.simulate import Injection, SimConfig, to_frame
 
@@ -119,7 +119,7 @@ def test_rounds_in_threads_leave_the_warning_filters_as_they_were() -> None:
     values = {c: rng.random((3000, 200)) for c in (*workfit.ADJUSTED, "work")}
     values["busy_s"][:, 3] = np.nan  # a rank with no busy time: numpy's empty-slice warnings in the rounds
     rounds = Whole(values, threads=2)
-    assert len(rounds._slices(3000, 200)) == 2, "the rounds do not run in threads: the test proves nothing"
+    assert len(slices(3000, 200, rounds.threads)) == 2, "the rounds do not run in threads: the test proves nothing"
     before = list(warnings.filters)
     for _ in range(10):
         workfit.measure(rounds, Groups.of(np.arange(200), None))

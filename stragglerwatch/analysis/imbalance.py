@@ -232,7 +232,7 @@ def adjust(values: dict[str, np.ndarray], model: WorkModel, groups: Groups, rows
     out = dict(values)
     same_ref = before is not None and (before[0].ref is model.ref or np.array_equal(before[0].ref, model.ref))
     for c in ADJUSTED:
-        if before is not None and same_ref and np.array_equal(before[0].healthy[c], model.healthy[c]):
+        if same_ref and np.array_equal(before[0].healthy[c], model.healthy[c]):  # type: ignore[index]
             out[c] = before[1][c]
             continue
         col = model.healthy[c][gidx][None, :] * dw

@@ -65,9 +65,6 @@ class Whole:
         s, r = self.values["busy_s"].shape
         return slice(0, s), slice(0, r)
 
-    def _slices(self, n: int, other: int) -> list[slice]:
-        return slices(n, other, self.threads)
-
     def _cut(self, axis: int, part: slice) -> Values:
         n = self.values["busy_s"].shape[axis]
         return {c: (v[part] if axis == 0 else v[:, part]) if v.ndim == 2 and v.shape[axis] == n else v
@@ -75,14 +72,14 @@ class Whole:
 
     def by_steps(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         rows, cols = self._all()
-        parts = self._slices(rows.stop, cols.stop)
+        parts = slices(rows.stop, cols.stop, self.threads)
         if len(parts) == 1:
             return [fn(self.values, rows, cols, *args)]
         return on_threads([lambda p=p: fn(self._cut(0, p), p, cols, *args) for p in parts])
 
     def by_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         rows, cols = self._all()
-        parts = self._slices(cols.stop, rows.stop)
+        parts = slices(cols.stop, rows.stop, self.threads)
         if len(parts) == 1:
             return [fn(self.values, rows, cols, *args)]
         return on_threads([lambda p=p: fn(self._cut(1, p), rows, p, *args) for p in parts])

@@ -209,8 +209,9 @@ def _one_run(keys: np.ndarray, step: np.ndarray, rank: np.ndarray, known: np.nda
 
 def _placed(f: Path, names: list[str], known: np.ndarray, shift: np.ndarray, steps: np.ndarray, ranks: np.ndarray,
             count: bool) -> tuple[dict[str, np.ndarray], tuple, dict[str, int]] | None:  # fmt: skip
-    """A step log's value columns, where they go (the first row and the column of one rank's consecutive steps, or
-    the rows and columns of each record kept), and its units counted (``count``); None: no record to keep.
+    """A step log's value columns, where they go in the steps x ranks arrays (an index: the rows and column of one
+    rank's consecutive steps, or the row and column of each record kept), and its units counted (``count``);
+    None: no record to keep.
     (Rows of ranks or attempts not in the plan, and rows written after the scan, are left out.)"""
     table = read_log(f, names, _quiet)
     if table is None:
@@ -219,10 +220,10 @@ def _placed(f: Path, names: list[str], known: np.ndarray, shift: np.ndarray, ste
     keys = attempt_keys(table)
     rank = table["rank"].to_numpy()
     at = _one_run(keys, table["step"].to_numpy(), rank, known, shift, steps, ranks)
-    if at is not None:  # the usual file: one rank's consecutive steps of one attempt, all kept
+    if at is not None:  # the usual file: one rank's consecutive steps of one attempt, all kept (a slice of its column)
         if count:
             count_units(table["work_unit"], counted)
-        return {col: table[col].to_numpy() for col in VALUE_COLUMNS}, at, counted
+        return {col: table[col].to_numpy() for col in VALUE_COLUMNS}, (slice(at[0], at[0] + len(rank)), at[1]), counted
     k = np.minimum(np.searchsorted(known, keys), len(known) - 1)
     ok = known[k] == keys
     step = table["step"].to_numpy() + shift[k]
@@ -271,11 +272,6 @@ def fill(
         if units is not None:
             for unit, n in counted.items():
                 units[unit] = units.get(unit, 0) + n
-        if isinstance(at[0], int):  # one rank's consecutive steps: a slice of its column
-            si, ri = at
-            for col in VALUE_COLUMNS:
-                out[col][si : si + len(columns[col]), ri] = columns[col]
-        else:
-            for col in VALUE_COLUMNS:
-                out[col][at] = columns[col]
+        for col in VALUE_COLUMNS:
+            out[col][at] = columns[col]
     return out

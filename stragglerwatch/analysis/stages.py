@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import bottleneck as bn
 import numpy as np
@@ -81,8 +81,20 @@ class Groups:
         return sizes[self.index] >= 2 if len(self.index) else np.zeros(0, dtype=bool)
 
 
+_P = TypeVar("_P", bound="_StepParts")
+
+
+class _StepParts:
+    """Figures per step of a step part (every field's first axis the part's steps)."""
+
+    @classmethod
+    def joined(cls: type[_P], parts: list[_P]) -> _P:
+        """The figures of consecutive step parts, as one part's."""
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls.__dataclass_fields__))  # type: ignore[attr-defined]
+
+
 @dataclass
-class StepStats:
+class StepStats(_StepParts):
     """Per step of a step part: the figures of the job that need every rank."""
 
     step_med: np.ndarray  # median step time
@@ -93,11 +105,6 @@ class StepStats:
     group_med: np.ndarray  # steps x groups: each group's median busy time
     top_v: np.ndarray  # steps x groups x ``cost.TOP_K``: each group's busiest busy times (descending), and
     top_c: np.ndarray  # their columns
-
-    @classmethod
-    def joined(cls, parts: list[StepStats]) -> StepStats:
-        """The figures of consecutive step parts, as one part's."""
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls.__dataclass_fields__))
 
 
 def peer_reference(busy: np.ndarray, members: np.ndarray) -> np.ndarray:
@@ -159,17 +166,12 @@ def step_stage(
 
 
 @dataclass
-class HealthyStats:
+class HealthyStats(_StepParts):
     """Per step of a step part, once the flags are known."""
 
     ref_h: np.ndarray  # steps x groups: median busy time of the group's unflagged ranks
     ref_job: np.ndarray  # median over every rank of its group's ``ref_h``
     peer_phase: np.ndarray  # steps x causes: the healthy ranks' median time of each cause's phases
-
-    @classmethod
-    def joined(cls, parts: list[HealthyStats]) -> HealthyStats:
-        """The figures of consecutive step parts, as one part's."""
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls.__dataclass_fields__))
 
 
 def cause_phases(values: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -68,10 +68,10 @@ class Cut:
                cols.stop)  # fmt: skip
         if key in self.kept:
             return self.kept[key][1]
-        r = y_of(values, column) - self.b0[column][cols] * values["work"] - self.rowmed[column][rows][:, gidx]
+        r = y_of(values, column) - self.b0[column][cols] * w - self.rowmed[column][rows][:, gidx]
         with np.errstate(invalid="ignore"):
             m = ok & (np.abs(r - self.colmed[column][cols]) <= self.bound[column][cols])
-        self.kept[key] = (values["work"], m)
+        self.kept[key] = (w, m)
         return m
 
     def __getstate__(self) -> dict:  # a copy sent elsewhere (a Ray task) finds its own cells
