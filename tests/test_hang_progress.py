@@ -313,6 +313,71 @@ def _until(cond, timeout_s: float) -> bool:
     return False
 
 
+def test_a_victim_whose_collective_fails_leaves_as_its_policy_would_have(tmp_path: Path) -> None:
+    """On gloo the culprit's policy decides about when its victims' do, and its exit fails their blocked
+    collectives first. A victim in a diagnosed stall whose call raised is ended by the policy from the main
+    thread (``ShutdownHooks``' exception hook): the action recorded with the error, ``hang_handler`` told,
+    the exit at the bound armed; once only, and never where the policy's thread took the action first, nor
+    outside a diagnosed stall, nor for a culprit, nor on a backend that runs collectives on the device."""
+    exits: list[int] = []
+
+    def diagnosed(dog) -> bool:
+        return _until(lambda: (dog._stall or {}).get("verdict") is not None, 30.0)
+
+    def dog_with(phase: str, backend: str | None = None, bound: float = 1.0):
+        told: list[dict] = []
+        probe, dog = _watchdog(tmp_path, abort=lambda w: HangAbort(bound, lambda: "ours", w._stop,
+                                                                   exit=exits.append, forget=lambda: "kept",
+                                                                   backend=lambda: backend, handler=told.append))
+        probe.where = (5, phase, time.perf_counter())
+        return probe, dog, told
+
+    probe, dog, told = dog_with("allreduce_wait", bound=30.0)  # the policy's thread would act after 15 s
+    assert dog.collective_failed("RuntimeError: early") is None  # no stall yet: an error as any other
+    dog.start()
+    try:
+        assert diagnosed(dog), "no diagnosis"
+        what, within = dog.collective_failed("RuntimeError: Connection closed by peer")
+        assert what == "claimed" and 14.0 < within <= 30.0 and dog.exit_status == HANG_EXIT_STATUS
+        assert dog.collective_failed("RuntimeError: again")[0] == "acting"  # once: a second error waits for it
+    finally:
+        dog.stop()
+    events = [json.loads(line) for line in (tmp_path / "events-00000.jsonl").open()]
+    (action,) = [e for e in events if e["kind"] == "action"]
+    assert action["error"] == "RuntimeError: Connection closed by peer" and action["exit_status"] == HANG_EXIT_STATUS
+    assert told and told[0]["backend"] == "host" and told[0]["state_suspect"] is False
+    assert exits == []  # the Watch closed before the bound: the exit hook ends the process
+    (tmp_path / "events-00000.jsonl").unlink()
+
+    # a bound that passes: whichever thread took the action, the rank is ended once, at the bound
+    probe, dog, _ = dog_with("allreduce_wait", bound=0.3)
+    dog.start()
+    try:
+        assert diagnosed(dog), "no diagnosis"
+        assert dog.collective_failed("RuntimeError: closed")[0] in ("claimed", "acting")
+        assert _until(lambda: exits == [HANG_EXIT_STATUS], 10.0), exits
+        time.sleep(0.5)
+        assert exits == [HANG_EXIT_STATUS]
+    finally:
+        dog.stop()
+    (tmp_path / "events-00000.jsonl").unlink()
+
+    for phase, backend in (("forward", None), ("allreduce_wait", "nccl")):  # a culprit; a device backend
+        probe, dog, told = dog_with(phase, backend, bound=30.0)
+        dog.start()
+        try:
+            assert diagnosed(dog), "no diagnosis"
+            assert dog.collective_failed("RuntimeError: x") is None and dog.exit_status is None
+        finally:
+            dog.stop()
+        kinds = [json.loads(line)["kind"] for line in (tmp_path / "events-00000.jsonl").open()]
+        assert told == [] and "diagnosis" in kinds and "action" not in kinds
+        (tmp_path / "events-00000.jsonl").unlink()
+
+    claimed = HangAbort(1.0, lambda: "ours", threading.Event())
+    assert claimed.claim() and not claimed.claim()  # the watchdog thread's and the main thread's, one wins
+
+
 def test_a_replayed_cuda_graph_is_progress_not_silence(tmp_path: Path) -> None:
     """A whole step replayed as one CUDA graph fires no hook: the replays keep the watchdog quiet; when they
     stop, the stall is noticed."""

@@ -26,18 +26,24 @@ def _time(path: Path) -> float:
     return float(path.read_text())
 
 
-@pytest.mark.parametrize("handler, stuck, shared", [("after", "data", True), ("before", "other", False),
-                                                    ("after", "native", False)])  # fmt: skip
+@pytest.mark.parametrize("handler, stuck, shared, victim_bound", [("after", "data", True, 14),
+                                                                  ("before", "other", False, 0),
+                                                                  ("after", "native", False, 0)])  # fmt: skip
 def test_a_hang_ends_every_rank_and_the_job_restarts(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                     handler: str, stuck: str, shared: bool) -> None:  # fmt: skip
+                                                     handler: str, stuck: str, shared: bool,
+                                                     victim_bound: int) -> None:  # fmt: skip
     """Rank 1 stops making progress: in a Python sleep (in its marked data fetch, or outside any phase), or
     in native code holding the GIL; rank 0 waits for it in the gradient all-reduce. With a 2 s watchdog and
     a 6 s bound, every rank that can run Python runs the application's checkpoint handler and exits 75;
     the one holding the GIL is ended by faulthandler's timer (status 1); torchrun's restart trains to the end.
     ``shared``: torchrun's store shared across restarts (its default), where the restart relies on the
-    policy deleting the group's keys; else ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as the docs advise."""
+    policy deleting the group's keys; else ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as the docs advise.
+    ``victim_bound``: rank 0's bound (0: the same 6 s), 14 s so that the culprit surely leaves first and rank
+    0's all-reduce fails before its policy acts (with equal bounds either may act first): it leaves from its
+    exception hook, as its policy would have."""
     out = tmp_path / "out"
-    proc = torchrun(2, WORKER, "hang", str(out), "--handler", handler, "--stuck", stuck, timeout_s=150,
+    late = ("--victim-abort-s", str(victim_bound)) if victim_bound else ()
+    proc = torchrun(2, WORKER, "hang", str(out), "--handler", handler, "--stuck", stuck, *late, timeout_s=150,
                     env={**({} if shared else RESTARTABLE), **ABORT}, launcher=("--max-restarts", "1"))  # fmt: skip
     native = stuck == "native"
     said = proc.stderr[-4000:]  # what torchrun and the ranks said, for a failure's message
@@ -60,6 +66,9 @@ def test_a_hang_ends_every_rank_and_the_job_restarts(tmp_path: Path, capsys: pyt
     aborts = [a for a in report["actions"] if a["action"] == "abort"]
     assert sorted(a["rank"] for a in aborts) == handled
     assert all(a["exit_status"] == 75 and a["culprit_ranks"] == [1] and a["restart"] == 0 for a in aborts)
+    if victim_bound:  # rank 0 left from its all-reduce's error, which the report keeps
+        (failed,) = [a for a in aborts if "error" in a]
+        assert failed["rank"] == 0 and "closed by peer" in failed["error"].lower(), aborts
     assert [a["restart"] for a in report["attempts"]] == [0, 1]
     if native:  # its stacks, dumped by faulthandler before it ended
         assert "Timeout (" in (out / "run" / "stacks-00001.txt").read_text()

@@ -546,10 +546,11 @@ def slurm_hostlist(hosts: Iterable[str]) -> str:
 def actions_from_events(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """The policies' actions of a run (its ``action`` events), in time order, as the report lists them:
     ``action`` (``abort`` or ``straggler``), ``rank`` (the rank that acted), ``at`` (Unix seconds), ``restart``,
-    and per kind: an abort's ``stall_id``, ``culprit_ranks``, ``exit_status`` and ``bound_s``; a straggler
+    and per kind: an abort's ``stall_id``, ``culprit_ranks``, ``exit_status`` and ``bound_s`` (and ``error``
+    where the collective the rank waited in failed first, as a culprit left: the rank left from there); a straggler
     action's ``verdict`` (what the actions were told), ``done`` (the actions that ran), ``declined`` (the
     actions that left it alone, and why) and ``exclude_file``."""
-    keep = ("stall_id", "culprit_ranks", "victim_ranks", "stalled_s", "exit_status", "bound_s", "verdict",
+    keep = ("stall_id", "culprit_ranks", "victim_ranks", "stalled_s", "exit_status", "bound_s", "error", "verdict",
             "done", "declined", "exclude_file")  # fmt: skip
     out = []
     for e in sorted((e for e in events if e.get("kind") == "action"), key=lambda e: e.get("detected_at", 0.0)):

@@ -60,6 +60,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps on every rank")
     p.add_argument("--pg-timeout", type=float, default=600.0, help="the process group's collective timeout (s)")
     p.add_argument("--watchdog", type=float, default=2.0, help="watchdog_timeout_s (-1: the adaptive default)")
+    p.add_argument("--victim-abort-s", type=float, default=0.0,
+                   help="hang_abort_s of the ranks other than the culprit (0: the environment's): a longer bound "
+                        "makes the culprit leave first, and the victims' collectives fail before they act")
     return p.parse_args()
 
 
@@ -120,6 +123,8 @@ def main() -> None:
 
     extra = {"on_straggler": ["exclude", note], "policy_interval_s": 1.0} if args.mode == "straggler" else {}
     watchdog = None if args.watchdog < 0 else args.watchdog
+    if args.victim_abort_s and rank != args.culprit:
+        os.environ["STRAGGLERWATCH_HANG_ABORT_S"] = str(args.victim_abort_s)
     watch = stragglerwatch.attach(model, args.out / "run", optimizer=opt, watchdog_timeout_s=watchdog,
                                   flush_interval_s=0.2, **extra)  # fmt: skip
     if args.handler == "after":

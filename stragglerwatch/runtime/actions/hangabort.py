@@ -210,6 +210,8 @@ class HangAbort:
         self._abort, self._exit, self._forget = abort, exit, forget
         self._backend, self.handler = backend, handler
         self.started = False
+        self._claim = threading.Lock()
+        self.deadline: float | None = None  # perf-counter seconds the rank ends by, once the action is recorded
 
     @property
     def chosen(self) -> bool:
@@ -223,19 +225,44 @@ class HangAbort:
         """Whether a stall diagnosed at ``diagnosed`` (perf-counter seconds) has lasted half the bound."""
         return not self.started and now - diagnosed >= self.bound(threshold_s) / 2
 
-    def run(self, diagnosed: float, threshold_s: float, now: float, record: Callable[..., Any],
-            info: dict[str, Any] | None = None) -> None:  # fmt: skip
-        """Record the action, then end the rank as its backend allows (the module's docstring); ``info`` is
-        what ``hang_handler`` is told. Returns only when the Watch closed first (the process is exiting)."""
-        self.started = True
+    def claim(self) -> bool:
+        """Take the action for the caller, once: False where it was already taken (by the other thread)."""
+        with self._claim:
+            if self.started:
+                return False
+            self.started = True
+            return True
+
+    def left_s(self, now: float, threshold_s: float) -> float:
+        """Seconds until the rank ends, once the action is taken (the whole bound before it is recorded)."""
+        return max(0.0, self.deadline - now) if self.deadline is not None else self.bound(threshold_s)
+
+    def host_blocking(self) -> bool:
+        """Whether this process's groups all block the host (gloo, MPI): where a handler may still run."""
+        return self._backend() is None
+
+    def _begin(self, diagnosed: float, threshold_s: float, now: float, record: Callable[..., Any],
+               info: dict[str, Any] | None, **fields: Any) -> tuple[str | None, float, str, str]:  # fmt: skip
+        """Record the action (``fields`` added), forget the group keys, call ``hang_handler``: the device
+        backend (None: host), the seconds left to the bound, and what the last two did."""
+        self.started = True  # claimed by the caller, or by this call: never again
         bound = self.bound(threshold_s)
         wait = max(0.0, diagnosed + bound - now)
+        self.deadline = now + wait
         device = self._backend()
         record(exit_status=HANG_EXIT_STATUS, bound_s=round(bound, 3), exit_within_s=round(wait, 3),
-               backend=device or "host", state_suspect=bool(device))  # fmt: skip
+               backend=device or "host", state_suspect=bool(device), **fields)  # fmt: skip
         keys = self._forget()
         told = self._call_handler({**(info or {}), "backend": device or "host", "state_suspect": bool(device)},
                                   wait)  # fmt: skip
+        return device, wait, keys, told
+
+    def run(self, diagnosed: float, threshold_s: float, now: float, record: Callable[..., Any],
+            info: dict[str, Any] | None = None) -> None:  # fmt: skip
+        """From the watchdog thread, the action claimed (:meth:`claim`): record it, then end the rank as its
+        backend allows (the module's docstring); ``info`` is what ``hang_handler`` is told. Returns only when
+        the Watch closed first (the process is exiting)."""
+        device, wait, keys, told = self._begin(diagnosed, threshold_s, now, record, info)
         if device:  # nothing of the application's runs after this: its state may be corrupted
             LOGGER.warning("stragglerwatch: hang policy: stalled %.1f s past the diagnosis on %s; %s; %s; no SIGTERM "
                            "and no abort (queued device work would run on corrupted data); exit status %d now",
@@ -250,6 +277,25 @@ class HangAbort:
         if self.stopped.wait(wait):
             return
         self._exit(HANG_EXIT_STATUS)
+
+    def failed(self, diagnosed: float, threshold_s: float, now: float, record: Callable[..., Any],
+               info: dict[str, Any] | None, error: str) -> float:  # fmt: skip
+        """From the main thread of a rank on a host-blocking backend, the action claimed: the call it was
+        blocked in, waiting for the stall's culprits, raised ``error`` (a culprit left the job, or the
+        collective timed out), so the rank leaves as :meth:`run` would have made it. Records the action
+        (``error`` in it), forgets the group keys, calls ``hang_handler``, and arms the exit at the bound on a
+        thread of its own (the caller then runs the application's SIGTERM handler); the seconds left."""
+        _, wait, keys, told = self._begin(diagnosed, threshold_s, now, record, info, error=error[:300])
+        LOGGER.warning("stragglerwatch: hang policy: the collective this rank waited in failed %.1f s past the "
+                       "diagnosis (%s); %s; %s; running the application's SIGTERM handler; exit status %d within "
+                       "%.1f s", now - diagnosed, error[:120], keys, told, HANG_EXIT_STATUS, wait)  # fmt: skip
+
+        def bound() -> None:
+            if not self.stopped.wait(wait):
+                self._exit(HANG_EXIT_STATUS)
+
+        threading.Thread(target=bound, name="stragglerwatch-hang-bound", daemon=True).start()
+        return wait
 
     def _call_handler(self, info: dict[str, Any], timeout_s: float) -> str:
         """Run ``hang_handler`` (opt-in) on a thread of its own, waited for at most ``timeout_s``."""

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from stragglerwatch.runtime.actions.hangabort import HANG_EXIT_STATUS
@@ -44,6 +45,7 @@ class ShutdownHooks:
         self._pipe: tuple[int, int] | None = None
         self._prev_wakeup = -1
         self._active = True  # False after remove(): the handler only passes the signal on
+        self._handled = False  # the application's handler ran for the hang policy: not again
         sys.excepthook = self._excepthook
         if threading.current_thread() is not threading.main_thread():
             return
@@ -79,9 +81,42 @@ class ShutdownHooks:
             return False
 
     def _excepthook(self, exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-        if self._ours() and not issubclass(exc_type, KeyboardInterrupt):
-            self.watchdog.on_terminate(f"{exc_type.__name__}: {exc}"[:500])
+        if not self._ours() or issubclass(exc_type, KeyboardInterrupt):
+            self._prev_excepthook(exc_type, exc, tb)
+            return
+        reason = f"{exc_type.__name__}: {exc}"[:500]
+        policy = self.watchdog.collective_failed(reason) if issubclass(exc_type, Exception) else None
+        if policy is None:
+            self.watchdog.on_terminate(reason)
         self._prev_excepthook(exc_type, exc, tb)
+        if policy is None:
+            return
+        what, seconds = policy
+        if what == "claimed":  # the hang policy ends this rank here: the application's handler, then its status
+            raise SystemExit(self._application_handler(self._their_handler(), None))
+        # the policy's thread is ending this rank: its SIGTERM runs the handler here (where Python still runs),
+        # raising SystemExit out of this hook; or the exit at the bound comes first
+        time.sleep(seconds)
+
+    def _their_handler(self) -> Any:
+        """The application's SIGTERM handler: the one that replaced ours, or the one ours chained to."""
+        try:
+            current = signal.getsignal(signal.SIGTERM)
+        except Exception:
+            return self._prev_handler
+        return self._prev_handler if current == self._on_sigterm else current
+
+    def _application_handler(self, handler: Any, frame: Any) -> Any:
+        """Run ``handler`` (the application's SIGTERM handler) for the hang policy, once in all; the exit
+        status: that of its ``sys.exit`` where not 0 (or None), else ``HANG_EXIT_STATUS``."""
+        if self._handled or not callable(handler):
+            return HANG_EXIT_STATUS
+        self._handled = True
+        try:
+            handler(signal.SIGTERM, frame)
+        except SystemExit as exc:
+            return exc.code if exc.code not in (0, None) else HANG_EXIT_STATUS
+        return HANG_EXIT_STATUS
 
     def terminate(self) -> str:
         """For the hang policy (from the watchdog thread): send this process SIGTERM where a Python
@@ -107,12 +142,7 @@ class ShutdownHooks:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         prev = self._prev_handler
         if self._ours() and self.watchdog.aborting:
-            if callable(prev):
-                try:
-                    prev(signum, frame)
-                except SystemExit as exc:
-                    raise SystemExit(exc.code if exc.code not in (0, None) else HANG_EXIT_STATUS) from None
-            raise SystemExit(HANG_EXIT_STATUS)
+            raise SystemExit(self._application_handler(prev, frame))
         if self._ours():
             self.watchdog.on_terminate("SIGTERM")
         if callable(prev):

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from stragglerwatch.analysis.hangs import PROGRESS_KEYS, SILENT_S, WAITING, classify, confirm, local_verdict
 from stragglerwatch.record.events import BOUNDED_WRITE_S, EventFile
-from stragglerwatch.runtime.actions.hangabort import HangAbort
+from stragglerwatch.runtime.actions.hangabort import HANG_EXIT_STATUS, HangAbort
 from stragglerwatch.runtime.hangs.dumps import dump_flight_recorder, thread_stacks
 from stragglerwatch.runtime.hangs.nativestacks import NativeStacks
 from stragglerwatch.runtime.hangs.peers import PeerBoard, collective_counts, collective_progress
@@ -334,10 +334,16 @@ class Watchdog:
     def _abort(self, now: float) -> None:
         """``on_hang="abort"``: this rank's stall has outlasted half the bound after its diagnosis, and its
         culprits made no progress for that long."""
-        if self.abort is None or self._stall is None:
-            return
         stall = self._stall
+        if self.abort is None or stall is None or not self.abort.claim():
+            return
         self.aborting = True
+        self.abort.run(*self._action(stall, now))
+
+    def _action(self, stall: dict[str, Any], now: float) -> tuple[float, float, float, Callable[..., None],
+                                                                   dict[str, Any]]:  # fmt: skip
+        """The hang policy's arguments for this stall at ``now``: when its bound counts from, the
+        threshold, now, how the action is recorded, what ``hang_handler`` is told."""
         verdict = stall.get("verdict") or {}
 
         def record(**fields: Any) -> None:
@@ -350,8 +356,36 @@ class Watchdog:
         info = {"rank": self.rank, "stall_id": stall["id"], "culprit_ranks": verdict.get("culprit_ranks"),
                 "victim_ranks": verdict.get("victim_ranks"), "step": stall["where"][0], "phase": stall["where"][1]}
         # the bound counts from the decision: a stall deferred while its culprit worked leaves the handlers time
-        half = self.abort.bound(stall["threshold_s"]) / 2
-        self.abort.run(max(stall["diagnosed"], now - half), stall["threshold_s"], now, record, info)
+        half = self.abort.bound(stall["threshold_s"]) / 2 if self.abort is not None else 0.0
+        return max(stall["diagnosed"], now - half), stall["threshold_s"], now, record, info
+
+    def collective_failed(self, error: str) -> tuple[str, float] | None:
+        """``on_hang="abort"``, from the main thread, whose blocked call has just raised ``error`` and will
+        end the process: what the hang policy does about it, and within how many seconds the rank ends.
+
+        - ``"acting"``: the policy's thread is already ending this rank; its SIGTERM follows, or came.
+        - ``"claimed"``: this rank waited, in a diagnosed stall, for culprits other than itself, on a backend
+          that blocks the host; the call failed because a culprit left the job (the culprit's policy decides
+          about when this rank's does, and its exit closes the connections this rank waits on) or timed
+          out, so nothing it waits for will come. The action is taken here, as the policy would have taken it:
+          recorded (with ``error``), ``hang_handler`` called, the exit at the bound armed, ``exit_status``
+          set; the caller runs the application's SIGTERM handler.
+        - None: nothing of the policy's (no policy, no diagnosed stall, this rank a culprit, a device
+          backend: there the policy ends the rank at once, from its own thread)."""
+        if self.abort is None or not self.abort.host_blocking():
+            return None
+        threshold = (self._stall or {}).get("threshold_s") or self.threshold()
+        if self.abort.started:
+            return "acting", self.abort.left_s(time.perf_counter(), threshold) + 2.0
+        stall = self._stall
+        verdict = (stall or {}).get("verdict")
+        if stall is None or verdict is None or self.rank in (verdict.get("culprit_ranks") or []):
+            return None
+        if not self.abort.claim():  # the watchdog thread took it meanwhile
+            return "acting", self.abort.left_s(time.perf_counter(), threshold) + 2.0
+        self.aborting = True
+        self.exit_status = HANG_EXIT_STATUS
+        return "claimed", self.abort.failed(*self._action(stall, time.perf_counter()), error=error)
 
     def _progress(self) -> dict[str, Any]:
         """What completed, beside what was issued: per group the last started and completed
