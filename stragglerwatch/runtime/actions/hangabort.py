@@ -20,7 +20,9 @@ threshold) bounds the time from the rank's decision to act to its exit:
      handler it chained to and then exits with :data:`HANG_EXIT_STATUS`; or the application's own,
      installed after ``attach``) and aborts every process group (``ProcessGroup.abort()``) on a thread of
      its own, bounded. Gloo's abort does not wake a rank blocked in a collective: such a rank runs its
-     handler only once a peer has left (its connection closes), which the culprit usually does.
+     handler only once a peer has left (its connection closes), which the culprit usually does. Where the
+     culprit left before this rank's policy acted, the collective's error reaches the exception hook first,
+     and the hook takes the action (:meth:`HangAbort.failed`, ``Watchdog.collective_failed``).
    - **A backend that runs collectives on the device (NCCL and the like)**: the host has usually queued the
      optimizer step and the next forward behind the stuck collective; after an abort those kernels would
      run on half-reduced buffers, and PyTorch itself says no user code may run after a failed NCCL

@@ -9,7 +9,9 @@ the watchdog end the process, as the default action would have.
 The hang policy (``hangabort.py``) ends a rank through the same handler: :meth:`ShutdownHooks.terminate`
 sends this process SIGTERM, and ours, seeing the watchdog ``aborting``, records nothing more (the
 action is recorded), runs the application's handler it chained to, and exits with
-``HANG_EXIT_STATUS`` (a status of 0 from that handler becomes it; another is kept).
+``HANG_EXIT_STATUS`` (a status of 0 from that handler becomes it; another is kept). A victim whose
+collective fails (a culprit left) before its policy acted leaves the same way from the exception hook,
+the application's handler run there, once in all.
 """
 
 from __future__ import annotations
