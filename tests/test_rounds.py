@@ -4,6 +4,7 @@ taking every k-th step across the parts' edges."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,9 +111,9 @@ def test_large_reductions_run_in_threads_and_give_the_same_bits(monkeypatch) -> 
 
 
 def test_rounds_in_threads_leave_the_warning_filters_as_they_were() -> None:
-    """The work fit's rounds, on slices in threads, each in its own ``catch_warnings`` block (not thread-safe): the
-    process's warning filters are the same after every fit (without the wrapper of ``on_threads``, 17 fits of 20
-    left them changed)."""
+    """The work fit's rounds, on slices in threads, each silencing numpy's empty-slice warnings: the process's
+    warning filters are the same after every fit (with ``catch_warnings`` blocks in the rounds and no wrapper in
+    ``on_threads``, 17 fits of 20 left them changed)."""
     import warnings
 
     rng = np.random.default_rng(0)
@@ -124,3 +125,46 @@ def test_rounds_in_threads_leave_the_warning_filters_as_they_were() -> None:
     for _ in range(10):
         workfit.measure(rounds, Groups.of(np.arange(200), None))
         assert warnings.filters == before
+
+
+def test_warnings_ignored_in_threads_at_once_are_shown_again_after_the_last() -> None:
+    """``ignoring`` in several threads at once, entered and left in every order: inside, the category is
+    ignored in every thread until the last one leaves; after, the filters are those from before (two
+    ``catch_warnings`` blocks at once can put back each other's filters and leave warnings hidden for good)."""
+    import threading
+    import warnings
+
+    from stragglerwatch._quiet import ignoring
+
+    before = list(warnings.filters)
+    unguarded: list[int] = []  # times a thread inside found no filter ignoring the category
+    start = threading.Barrier(4)
+    ignore = ("ignore", None, RuntimeWarning, None, 0)
+
+    def churn(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        start.wait(timeout=30)
+        for _ in range(2000):
+            with ignoring():
+                if rng.random() < 0.05:
+                    time.sleep(0.0002)
+                if ignore not in list(warnings.filters):
+                    unguarded.append(seed)
+
+    threads = [threading.Thread(target=churn, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert unguarded == [] and warnings.filters == before
+    with ignoring():
+        outer = list(warnings.filters)
+        with ignoring():  # a nested block, or another thread's: one filter, kept until the outer one leaves
+            assert warnings.filters == outer
+        assert warnings.filters == outer and outer[0][2] is RuntimeWarning and outer[0][0] == "ignore"
+    assert warnings.filters == before
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", RuntimeWarning)
+        warnings.warn("after", RuntimeWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["after"]

@@ -25,12 +25,13 @@ late arrival, whose wait is the smallest of its group.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from stragglerwatch._quiet import ignoring
 
 #: A flagged rank is cleared when its extra wait for later arrivals is at least this share of its excess.
 VICTIM_SHARE = 0.5
@@ -110,8 +111,7 @@ def _add_union(wait: np.ndarray, a: np.ndarray, b: np.ndarray, pos: np.ndarray) 
 
 
 def _median(x: np.ndarray) -> float:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
+    with ignoring():
         return float(np.nanmedian(x)) if x.size else float("nan")
 
 
@@ -136,8 +136,7 @@ def above_group(unseen: np.ndarray, ranks: np.ndarray, roles: dict[int, Any]) ->
     for key in set(keys):
         cols = [i for i, k in enumerate(keys) if k == key]
         block = unseen[:, cols]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # steps no rank of the group shared a collective
+        with ignoring():  # steps no rank of the group shared a collective
             least = np.nanmin(block, axis=1, keepdims=True) if len(cols) > 1 else np.zeros((len(block), 1))
         out[:, cols] = np.nan_to_num(block - np.nan_to_num(least))
     return out

@@ -36,13 +36,13 @@ same flags, bit for bit, as :func:`flags` here.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import bottleneck as bn
 import numpy as np
 
+from stragglerwatch._quiet import ignoring
 from stragglerwatch.analysis.intermittent import (
     block_bar,
     block_costs,
@@ -195,8 +195,7 @@ def _second_differences(dev: np.ndarray, block: int) -> np.ndarray:
     n = dev.shape[0] // block
     if n < 3:
         return np.zeros(0)
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN blocks
+    with np.errstate(invalid="ignore"), ignoring():  # all-NaN blocks
         means = np.nanmean(dev[: n * block].reshape(n, block, -1), axis=1)
     second = means[1:-1] - (means[:-2] + means[2:]) / 2.0  # variance 1.5 x a block mean's
     return second[np.isfinite(second)]

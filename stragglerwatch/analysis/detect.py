@@ -29,13 +29,13 @@ Design (docs/analysis.md, "How detection works"):
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import pandas as pd
 
+from stragglerwatch._quiet import ignoring
 from stragglerwatch.analysis import imbalance as imb
 from stragglerwatch.analysis import workfit
 from stragglerwatch.analysis.attempts import cut_indices
@@ -374,8 +374,7 @@ def verdict(
     groups_waste = _groups_waste(stats, health, groups, waste)
     stragglers, minor = _headline(_merge_episodes(found, steps, cuts), job, cfg)
     stragglers.sort(key=lambda s: -s.lost_seconds)
-    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN steps
+    with np.errstate(divide="ignore", invalid="ignore"), ignoring():  # all-NaN steps
         comm = np.nanmedian(stats.least_wait / stats.step_med) if len(steps) else 0.0
     comm = float(np.nan_to_num(comm))
     return Verdict(
@@ -459,8 +458,7 @@ def _group_imbalance(group_med: np.ndarray, groups: Groups, ranks: np.ndarray, c
         if any(int(ranks[i]) in flagged for i in groups.members[g]):
             continue
         rest = nanmedian(np.delete(group_med, g, axis=1), axis=1)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
+        with ignoring():
             ratio = float(np.nanmedian(group_med[:, g] / rest))
         if ratio > 1.0 + cfg.group_min_slowdown:
             out.append(GroupImbalance(name, [int(ranks[i]) for i in groups.members[g]], round(ratio, 4)))

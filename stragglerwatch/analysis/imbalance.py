@@ -33,11 +33,11 @@ counts against it), and its slowdown is ``S = T / (T - cost)``.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from stragglerwatch._quiet import ignoring
 from stragglerwatch.analysis import workfit
 from stragglerwatch.analysis.rounds import Rounds, Whole, joined, nanmean_rows, rowsum, thinned
 from stragglerwatch.analysis.stages import Groups, nanmedian
@@ -103,8 +103,7 @@ def uneven(values: dict[str, np.ndarray]) -> bool:
     for name in WORK_COLUMNS:
         w = values.get(name)
         if usable(w):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
+            with ignoring():
                 if bool(np.any(np.nanmax(w, axis=1) > np.nanmin(w, axis=1))):
                     return True
     return False
@@ -129,8 +128,7 @@ def steps_basis(values: dict[str, np.ndarray], rows: slice, cols: slice, every: 
         if w is None:
             w = np.full(sub["busy_s"].shape, np.nan)
         ok = np.isfinite(sub["busy_s"]) & np.isfinite(w)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
+        with ignoring():
             b, x = np.where(ok, sub["busy_s"], np.nan), np.where(ok, w, np.nan)
             db, dx = b - nanmean_rows(b)[:, None], x - nanmean_rows(x)[:, None]
             for key, v in (("sxy", db * dx), ("sxx", dx * dx), ("syy", db * db)):
@@ -249,8 +247,7 @@ def ranks_terms(values: dict[str, np.ndarray], rows: slice, cols: slice, slope: 
     w, busy = values["work"], values["busy_s"]
     ok = np.isfinite(w) & np.isfinite(busy)
     b = slope[cols][None, :]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
+    with ignoring():
         intercept = nanmedian(np.where(ok, busy - b * w, np.nan), axis=0)
         own = intercept[None, :] + b * w
         dev = np.where(ok, busy - own, 0.0)
@@ -278,8 +275,7 @@ def steps_cost(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: 
     dw = np.where(ok, w - mean_w, 0.0)
     bv = np.where(used, busy, np.nan)
     wv = np.where(used, w, np.nan)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
+    with ignoring():
         db = bv - step_mean(bv, groups)
         mean = nanmean_rows(wv)
         top_w, low_w = np.nanmax(wv, axis=1), np.nanmin(wv, axis=1)
@@ -334,8 +330,7 @@ def _even_busy(busy: np.ndarray, w: np.ndarray, mean_w: np.ndarray, slope: np.nd
     ``SPIKE`` robust deviations (a stall, a slow excursion) is judged the same way apart (``tail_share``,
     from those parts alone, pooled over the ranks; kept as it was with fewer than ``MIN_SPIKES`` of them)."""
     intercept, bound = terms["intercept"][None, :], terms["bound"][None, :]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
+    with ignoring():
         own, even = intercept + slope * w, intercept + slope * mean_w
         ratio = np.where(ok & (own > 0) & (even > 0), even / np.where(own > 0, own, 1.0), 1.0)
         ratio = np.clip(np.nan_to_num(ratio, nan=1.0), 0.0, 10.0)
@@ -349,8 +344,7 @@ def _elasticity(size: np.ndarray, own: np.ndarray, ok: np.ndarray) -> np.ndarray
     """Per column (rank), :func:`_proportional` of its cells: NaN where its fitted time hardly varies (it
     cannot tell), 0 where its deviations are nil."""
     x, y = np.where(ok, own, np.nan), np.where(ok, size, np.nan)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
+    with ignoring():
         high = ok & (x > nanmedian(x, axis=0)[None, :])
         low = ok & ~high
         x_hi, x_lo = nanmedian(np.where(high, x, np.nan), axis=0), nanmedian(np.where(low, x, np.nan), axis=0)

@@ -22,10 +22,11 @@ the end of ``confirm`` (3) consecutive blocks back below ``off_ratio`` of that b
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from stragglerwatch._quiet import ignoring
 
 if TYPE_CHECKING:
     from stragglerwatch.analysis.thresholds import DetectConfig, Floors
@@ -54,8 +55,7 @@ def block_stats(e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     means = block_means(e)
     if means.shape[0] < 2:
         return np.full(e.shape[1], np.nan), np.full(e.shape[1], np.nan)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # ranks without two finite blocks
+    with ignoring():  # ranks without two finite blocks
         jitter = 1.4826 * np.nanmedian(np.abs(np.diff(means, axis=0)), axis=0) / np.sqrt(2.0)
         return jitter, np.nanmedian(means, axis=0)
 

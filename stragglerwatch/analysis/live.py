@@ -43,6 +43,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from stragglerwatch._quiet import ignoring
 from stragglerwatch.analysis import consistency as cons
 from stragglerwatch.analysis import imbalance as imb
 from stragglerwatch.analysis import workfit
@@ -436,8 +437,7 @@ class LiveRun:
                         {k: dict(v) for k, v in self.last_own.items()})  # fmt: skip
         if self.context is None or time.monotonic() - self.context_at >= self.slow_every_s or self.settling:
             self.context, self.context_at = load_context(self.run_dir), time.monotonic()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RunDirWarning)
+        with ignoring(RunDirWarning):
             return finish(self.run_dir, self.figures, found, self.rank_meta, times, last_steps(mat), plan,  # type: ignore[arg-type]
                           Analysis(None, mat, found), context=self.context, config=self.cfg,
                           collectives=self.collectives, jitter=self._jitter)  # type: ignore[arg-type]  # fmt: skip
@@ -622,8 +622,7 @@ class LiveRun:
                 if got is None:
                     return
                 column, unit, model = got
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", RuntimeWarning)
+                with ignoring():
                     job_s = float(np.nansum(nanmedian(values["step_s"], axis=1)))
                 im = imb.assess(Whole({**values, "work": values[column]}), model, g, flagged, ranks, job_s,
                                 cfg.imbalance_min_slowdown, unit, column)  # fmt: skip

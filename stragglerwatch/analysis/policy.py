@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from stragglerwatch._quiet import ignoring
 from stragglerwatch.analysis.attempts import attempt_index
 from stragglerwatch.analysis.episodes import spells
 from stragglerwatch.record.rundir import where_ran
@@ -226,7 +227,6 @@ def start_profile(busy: Any, duty: Any, ranks: Iterable[int], roles: Mapping[int
     """Each rank's start of an attempt, from its steps there (``busy`` and ``duty``: steps x ranks seconds,
     ``duty`` the data wait plus other time): ``busy_s`` its median busy time, ``duty_ms`` its median duty
     over its peers' (ms). Peers: the ranks of its role."""
-    import warnings
 
     import numpy as np
 
@@ -236,8 +236,7 @@ def start_profile(busy: Any, duty: Any, ranks: Iterable[int], roles: Mapping[int
         return {}
     roles = roles or {}
     out = {}
-    with warnings.catch_warnings(), np.errstate(all="ignore"):
-        warnings.simplefilter("ignore", RuntimeWarning)  # a rank with no step there: NaN
+    with ignoring(), np.errstate(all="ignore"):  # a rank with no step there: NaN
         b, d = np.nanmedian(busy, axis=0), np.nanmedian(duty, axis=0)
         for j, r in enumerate(ranks):
             peers = [k for k, q in enumerate(ranks) if roles.get(q) == roles.get(r)]

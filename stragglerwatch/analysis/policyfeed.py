@@ -28,7 +28,6 @@ import resource
 import select
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from stragglerwatch._quiet import ignoring
 from stragglerwatch.analysis.detect import StepMatrix, detect
 from stragglerwatch.analysis.live import NAMES, _File, changed, quiet, read_changed, read_new
 from stragglerwatch.analysis.policy import START_SKIP, START_STEPS, start_profile, view
@@ -105,8 +105,7 @@ class WindowRun:
         return int(self.steps.size * self.ranks.size)
 
     def update(self) -> dict[str, Any] | None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RunDirWarning)
+        with ignoring(RunDirWarning):
             try:
                 new = self._ingest()
             except _Reset:

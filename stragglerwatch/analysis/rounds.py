@@ -13,13 +13,14 @@ driver code between rounds combines them in order, so whatever the slices the re
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+
+from stragglerwatch._quiet import ignoring
 
 Values = dict[str, np.ndarray]
 
@@ -179,12 +180,10 @@ def slices(n: int, other: int, threads: int = 0) -> list[slice]:
 
 def on_threads(calls: list[Callable[[], Any]]) -> list[Any]:
     """The calls' results, in order, each call on a thread of its own (one: here). numpy's runtime warnings (an
-    empty slice's mean) are not shown meanwhile: the calls' own ``catch_warnings`` blocks, which are not
-    thread-safe, then restore states that all ignore them, and this block restores the caller's at its end."""
+    empty slice's mean) are not shown meanwhile, as a round on the whole would not show them."""
     if len(calls) == 1:
         return [calls[0]()]
-    with warnings.catch_warnings(), ThreadPoolExecutor(len(calls)) as pool:
-        warnings.simplefilter("ignore", RuntimeWarning)
+    with ignoring(), ThreadPoolExecutor(len(calls)) as pool:
         return [f.result() for f in [pool.submit(call) for call in calls]]
 
 

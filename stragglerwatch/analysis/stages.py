@@ -11,7 +11,6 @@ rank block (flags) -> :func:`healthy_stage` (reference of the unflagged ranks, p
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 import bottleneck as bn
 import numpy as np
 
+from stragglerwatch._quiet import ignoring
 from stragglerwatch.analysis.cost import TOP_K, top_k
 from stragglerwatch.analysis.intermittent import BLOCK
 from stragglerwatch.analysis.rounds import by_columns, by_rows
@@ -148,8 +148,7 @@ def step_stage(
         top2 = filled.max(axis=1)
     else:
         top2 = np.full(n, -np.inf)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN steps
+    with ignoring():  # all-NaN steps
         least = np.nanmin(comm_wait, axis=1) if r else np.full(n, np.nan)
     # each group's lower median busy time, for the imbalance between groups (there is none with one): the
     # lower one of an even group's middle pair, so that one straggler in a group of two is not its group's
@@ -339,8 +338,7 @@ def describe(series: RankSeries, start: int, end: int | None, cfg: DetectConfig,
     # what-if: the step without this rank's excess is set by the reference or the busiest other rank
     lost = np.clip(series.busy[span] - np.maximum(series.ref_h[span], series.other_max[span]), 0.0, None)
     excess_ms, gap_ms = {}, {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # gaps of an older log: all NaN
+    with ignoring():  # gaps of an older log: all NaN
         # slow in one step of a few (an intermittent straggler): its median step is not a slow one,
         # so each cause's excess is its mean over the span, winsorised (a stall inside moves it not)
         excess = series.busy[span] - series.ref_h[span]

@@ -26,11 +26,11 @@ engine (one slice) and Ray (many) fit the same slopes.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from stragglerwatch._quiet import ignoring
 from stragglerwatch.analysis.rounds import Rounds, colsum, joined, nanvar_cols, nanvar_rows, rowsum
 from stragglerwatch.analysis.stages import Groups, nanmedian
 
@@ -119,8 +119,7 @@ def steps_start(values: dict[str, np.ndarray], rows: slice, cols: slice, groups:
     ok &= rows_ok[:, None]
     n_g = len(groups.members)
     across, varies = np.full((len(w), n_g), np.nan), np.full((len(w), n_g), np.nan)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
+    with ignoring():
         for gi, idx in enumerate(groups.members):
             wg = np.where(ok[:, idx], w[:, idx], np.nan)
             across[:, gi] = nanvar_rows(wg)
@@ -251,8 +250,7 @@ rows_ok: np.ndarray,
 def ranks_within(values: dict[str, np.ndarray], rows: slice, cols: slice, rows_ok: np.ndarray) -> np.ndarray:
     """Per rank: the variance of its work across steps."""
     ok = _ok(values, rows, rows_ok)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
+    with ignoring():
         return nanvar_cols(np.where(ok, values["work"], np.nan))
 
 
@@ -306,8 +304,7 @@ def measure(rounds: Rounds, groups: Groups) -> Measured:
     sizes = np.array([len(m) for m in groups.members])
     fitted = (sizes >= 2) & (start["varies"].any(axis=0) if len(rows_ok) else np.zeros(n_g, dtype=bool))
     within = joined(rounds.by_ranks(ranks_within, rows_ok))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
+    with ignoring():
         across = np.nanmean(start["across"], axis=0) if len(rows_ok) else np.full(n_g, np.nan)
         inside = np.array([np.nanmean(within[idx]) if len(idx) else np.nan for idx in groups.members])
     static = fitted & ~(inside > STATIC * across) & (across > 0)

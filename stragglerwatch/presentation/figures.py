@@ -4,12 +4,12 @@ no figure carries more than ``MAX_CELLS`` heatmap cells or ``MAX_POINTS`` points
 
 from __future__ import annotations
 
-import warnings
 from datetime import datetime, timezone
 
 import numpy as np
 import plotly.graph_objects as go
 
+from stragglerwatch._quiet import ignoring
 from stragglerwatch.analysis.detect import StepMatrix, Verdict, nanmedian
 
 MAX_RANK_ROWS = 256
@@ -252,8 +252,7 @@ def busy_vs_work(mat: StepMatrix, verdict: Verdict, unit: str | None = None) -> 
     work, busy = work[rows], mat.values["busy_s"][rows] * 1000.0
     steps = mat.steps[rows]
     ok = np.isfinite(work) & np.isfinite(busy)
-    with warnings.catch_warnings(), np.errstate(all="ignore"):
-        warnings.simplefilter("ignore", RuntimeWarning)  # a step no rank measured: NaN
+    with ignoring(), np.errstate(all="ignore"):  # a step no rank measured: NaN
         w = work - np.nanmean(np.where(ok, work, np.nan), axis=1, keepdims=True)
         b = busy - nanmedian(np.where(ok, busy, np.nan), axis=1)[:, None]
     flagged = verdict.flags[rows] if verdict.flags.shape == (n, r) else np.zeros(ok.shape, dtype=bool)
