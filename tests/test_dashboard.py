@@ -282,3 +282,43 @@ def test_work_figures_are_bounded() -> None:
     assert scatter.data and all(len(t.x) <= figures.MAX_SCATTER for t in scatter.data)
     empty = StepMatrix(mat.ranks[:2], mat.steps[:2], {c: v[:2, :2] * np.nan for c, v in values.items()})
     assert "no work per step recorded" in figures.busy_vs_work(empty, detect(empty)).layout.annotations[0].text
+
+
+def test_a_long_run_s_figures_read_a_bounded_sample_of_steps_spread_over_each_bin() -> None:
+    """Past ``SAMPLE_ROWS`` steps, each bin of a heatmap or of the band is the mean of the same number of its
+    steps, spread evenly over it: what a figure reads does not grow with the run, and the picture is the
+    exact one's (a straggler's bins stand out by its slowdown, the others' stay at 1)."""
+    import numpy as np
+
+    from stragglerwatch.analysis.detect import MATRIX_COLUMNS, StepMatrix, detect
+    from stragglerwatch.presentation import figures
+    from stragglerwatch.record.simulate import Injection, SimConfig, simulate_arrays
+
+    starts = figures._bins(20000, figures.MAX_STEP_COLS)
+    rows, first = figures._sampled(20000, starts)
+    per_bin = figures.SAMPLE_ROWS // len(starts)
+    assert len(rows) == per_bin * len(starts) and np.all(np.diff(rows) > 0)
+    assert np.array_equal(rows[first], starts), "each bin's first step is read"
+    assert np.all(rows[first[1:] - 1] < starts[1:]), "the rows of a bin lie in it"
+    widths = np.diff(np.append(starts, 20000))
+    gaps = np.diff(rows.reshape(len(starts), per_bin), axis=1)
+    assert np.all(np.abs(gaps - (widths / per_bin)[:, None]) <= 1), "spread evenly over the bin"
+    assert figures._sampled(2000, figures._bins(2000, 400))[0] is None, "a short run: every step"
+
+    cfg = SimConfig(ranks=48, steps=12000, seed=5, injections=[Injection(9, 0.3, 4000)])
+    values = simulate_arrays(cfg)
+    for col in MATRIX_COLUMNS:
+        values.setdefault(col, np.full((cfg.steps, cfg.ranks), np.nan))
+    mat = StepMatrix(np.arange(cfg.ranks), np.arange(cfg.steps), values)
+    verdict = detect(mat)
+    z = np.array(figures.heatmap(mat, verdict).data[0].z, dtype=float)  # ranks x step bins
+    sb = figures._bins(cfg.steps, figures.MAX_STEP_COLS)
+    exact = np.add.reduceat(verdict.slowdown, sb, axis=0) / np.diff(np.append(sb, cfg.steps))[:, None]
+    after = sb >= 4100
+    assert np.nanmedian(z[9, after]) > 1.2 and abs(np.nanmedian(z[9, after]) - np.nanmedian(exact[after, 9])) < 0.03
+    others = np.delete(z, 9, axis=0)
+    assert abs(np.nanmedian(others) - 1.0) < 0.03
+    error = np.abs(z - exact.T)  # a bin's mean of a sample against the bin's mean (a spike shows in one, not both)
+    assert np.nanmedian(error) < 0.02 and np.nanpercentile(error, 99) < 0.08, np.nanpercentile(error, [50, 99])
+    band = figures.busy_band(mat, verdict)
+    assert [t.name for t in band.data][-1] == "rank 9" and len(band.data[-1].y) == figures.MAX_POINTS

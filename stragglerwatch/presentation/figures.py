@@ -1,6 +1,9 @@
 """Plotly figures of an analysis: pure functions (matrix, verdict in; figure out), shared by
-the HTML report and the dashboard. Large runs are aggregated here, on the server side:
-no figure carries more than ``MAX_CELLS`` heatmap cells or ``MAX_POINTS`` points a line."""
+the HTML report and the dashboard. Large runs are aggregated here, on the server side: no figure
+carries more than ``MAX_STEP_COLS`` x ``MAX_RANK_ROWS`` heatmap cells or ``MAX_POINTS`` points a line,
+and none reads more than ``SAMPLE_ROWS`` steps of every rank: a bin of a longer run is the mean of
+steps spread evenly over it, so that a figure costs the same at any length of run (the chosen ranks'
+lines read all of their steps)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ MAX_RANK_ROWS = 256
 MAX_STEP_COLS = 400
 MAX_POINTS = 1500
 MAX_BARS = 64
+#: Step rows a figure reads at most: past it, the same number of steps spread over each bin (``_sampled``).
+SAMPLE_ROWS = 2048
 PHASES = (
     ("data_wait_s", "data wait", "#8c564b"),
     ("forward_s", "forward", "#1f77b4"),
@@ -33,9 +38,28 @@ def _bins(n: int, most: int) -> np.ndarray:
     return np.unique(np.linspace(0, n, num=min(n, most) + 1, dtype=int)[:-1]) if n else np.zeros(0, dtype=int)
 
 
+def _sampled(n: int, starts: np.ndarray, most: int = SAMPLE_ROWS) -> tuple[np.ndarray | None, np.ndarray]:
+    """The rows of ``n`` a figure binned at ``starts`` reads: where the bins hold more than ``most`` rows,
+    the same number from each bin (at least one), spread evenly over it, so that a long run's figure reads
+    no more than a short one's; and each bin's start among them. ``(None, starts)``: every row."""
+    if n <= most or not len(starts):
+        return None, starts
+    widths = np.diff(np.append(starts, n))
+    take = np.minimum(widths, max(1, most // len(starts)))
+    first = np.concatenate([[0], np.cumsum(take)[:-1]])
+    which = np.repeat(np.arange(len(starts)), take)
+    rows = starts[which] + (np.arange(int(take.sum())) - first[which]) * widths[which] // take[which]
+    return rows, first
+
+
 def _reduce(a: np.ndarray, starts: np.ndarray, axis: int, how: str) -> np.ndarray:
+    """Each bin's (from ``starts`` along ``axis``) ``how`` (``"mean"`` or ``"max"``) of its finite values;
+    NaN for a bin with none."""
     if len(starts) == a.shape[axis]:
         return a
+    if axis == 0:  # one reduction per bin of contiguous rows: ufunc.reduceat across rows is ten times slower
+        ends = np.append(starts[1:], a.shape[0])
+        return np.stack([_reduce_rows(a[s:e], how) for s, e in zip(starts, ends, strict=True)])
     with np.errstate(all="ignore"):
         if how == "max":
             filled = np.where(np.isnan(a), -np.inf, a)
@@ -45,6 +69,17 @@ def _reduce(a: np.ndarray, starts: np.ndarray, axis: int, how: str) -> np.ndarra
         counts = np.add.reduceat(finite, starts, axis=axis, dtype=np.int64)
         sums = np.add.reduceat(np.where(finite, a, 0.0), starts, axis=axis)
         return sums / np.where(counts == 0, np.nan, counts)
+
+
+def _reduce_rows(block: np.ndarray, how: str) -> np.ndarray:
+    """``how`` of each column's finite values in ``block`` (rows of one bin); NaN for a column with none."""
+    finite = np.isfinite(block)
+    with np.errstate(all="ignore"):
+        if how == "max":
+            out = np.where(finite, block, -np.inf).max(axis=0)
+            return np.where(np.isinf(out), np.nan, out)
+        counts = finite.sum(axis=0)
+        return np.where(finite, block, 0.0).sum(axis=0) / np.where(counts == 0, np.nan, counts)
 
 
 def _nanquantiles(a: np.ndarray, qs: tuple[float, ...]) -> list[np.ndarray]:
@@ -72,7 +107,8 @@ def heatmap(mat: StepMatrix, verdict: Verdict) -> go.Figure:
     z = verdict.slowdown
     sb = _bins(z.shape[0], MAX_STEP_COLS)
     rb = _bins(z.shape[1], MAX_RANK_ROWS)
-    z = _reduce(_reduce(z, sb, 0, "mean"), rb, 1, "max").T
+    rows, starts = _sampled(z.shape[0], sb)
+    z = _reduce(_reduce(z if rows is None else z[rows], starts, 0, "mean"), rb, 1, "max").T
     ranks = mat.ranks[rb] if len(rb) else mat.ranks
     label = "rank" if len(rb) == len(mat.ranks) else "first rank of bin"
     # scale to the stragglers, not to one-step spikes
@@ -117,27 +153,30 @@ def breakdown(mat: StepMatrix, verdict: Verdict, rows: list[dict] | None = None)
 
 def busy_band(mat: StepMatrix, verdict: Verdict, ranks: list[int] | None = None) -> go.Figure:
     """Busy time of the chosen (default: flagged) ranks against their peers' 10-90% band."""
-    busy = mat.values["busy_s"] * 1000.0
     if ranks is None:
         ranks = [s.rank for s in verdict.stragglers][:8]
     cols = [int(np.searchsorted(mat.ranks, r)) for r in ranks if r in set(mat.ranks.tolist())]
-    healthy = np.where(verdict.flags, np.nan, busy)
+    n = mat.values["busy_s"].shape[0]
+    sb = _bins(n, MAX_POINTS)
+    x = mat.steps[sb] if len(sb) else mat.steps
+    busy = {j: mat.values["busy_s"][:, j] * 1000.0 for j in cols}  # the chosen ranks' lines: every step
+    # the peers' band of their busy time over each bin of steps (a step when there are few)
+    rows, starts = _sampled(n, sb)
+    picked = (lambda a: a) if rows is None else (lambda a: a[rows])
+    healthy = np.where(picked(verdict.flags), np.nan, picked(mat.values["busy_s"]) * 1000.0)
     if cols:
         healthy[:, cols] = np.nan
-    sb = _bins(busy.shape[0], MAX_POINTS)
-    x = mat.steps[sb] if len(sb) else mat.steps
-    # the peers' band of their busy time over each bin of steps (a step when there are few)
-    lo, med, hi = _nanquantiles(_reduce(healthy, sb, 0, "mean") if len(sb) else healthy, (0.1, 0.5, 0.9))
+    lo, med, hi = _nanquantiles(_reduce(healthy, starts, 0, "mean") if len(sb) else healthy, (0.1, 0.5, 0.9))
     fig = go.Figure()
     fig.add_scatter(x=x, y=hi, line={"width": 0}, showlegend=False, hoverinfo="skip")
     fig.add_scatter(x=x, y=lo, fill="tonexty", fillcolor="rgba(31,119,180,0.2)", line={"width": 0},
                     name="peers 10-90%")  # fmt: skip
     fig.add_scatter(x=x, y=med, line={"color": "#1f77b4"}, name="peers median")
     for j in cols:
-        fig.add_scatter(x=x, y=_reduce(busy[:, j : j + 1], sb, 0, "mean")[:, 0], name=f"rank {mat.ranks[j]}")
+        fig.add_scatter(x=x, y=_reduce(busy[j][:, None], sb, 0, "mean")[:, 0], name=f"rank {mat.ranks[j]}")
     fig.update_layout(title="Busy time (ms): step minus exposed communication and evaluation", xaxis_title="step",
                       yaxis_title="ms", margin={"t": 50})  # fmt: skip
-    shown = np.concatenate([hi, *(busy[:, j] for j in cols)]) if len(hi) else np.zeros(0)
+    shown = np.concatenate([hi, *(busy[j] for j in cols)]) if len(hi) else np.zeros(0)
     if np.isfinite(shown).any():  # a stall of seconds must not flatten milliseconds: clip, zoom out to see it
         typical, top = np.nanpercentile(shown, 99), np.nanmax(shown)
         if top > 3 * typical:
@@ -219,7 +258,8 @@ def work_heatmap(mat: StepMatrix, unit: str | None = None, verdict: Verdict | No
         return empty("no work per step recorded")
     sb = _bins(z.shape[0], MAX_STEP_COLS)
     rb = _bins(z.shape[1], MAX_RANK_ROWS)
-    z = _reduce(_reduce(z, sb, 0, "mean"), rb, 1, "max").T
+    rows, starts = _sampled(z.shape[0], sb)
+    z = _reduce(_reduce(z if rows is None else z[rows], starts, 0, "mean"), rb, 1, "max").T
     ranks = mat.ranks[rb] if len(rb) else mat.ranks
     label = "rank" if len(rb) == len(mat.ranks) else "first rank of bin"
     title = f"Work per step ({unit}), rank x step"
