@@ -466,6 +466,7 @@ class LiveRun:
                           "top_c": ((len(g.names), TOP_K), np.int64, -1),
                           "ref_h": ((len(g.names),), np.float64, np.nan), "ref_job": ((), np.float64, np.nan),
                           "peer_phase": ((len(CAUSES) + len(GAP_COLUMNS),), np.float64, np.nan),
+                          "slowdown": ((r,), np.float64, np.nan),
                           "start": ((), np.float64, np.nan), "end": ((), np.float64, np.nan)})  # fmt: skip
         d = self.det.arrays
         rows = slice(lo, n)
@@ -505,23 +506,27 @@ class LiveRun:
         never = ~flags.any(axis=0)
         first = 0 if self.never is None or not np.array_equal(never, self.never) else min(lo, at)
         self.never = never
-        phases = cause_phases({c: v[c] for c in ("data_wait_s", "forward_s", "backward_s", "optimizer_s",
-                                                 "other_s", *GAP_COLUMNS)})  # fmt: skip
+        # each cause's time: of the rows whose healthy reference is made again, and of every row of the
+        # ranks ever flagged (not of the whole run at every update)
+        timed = ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "other_s", *GAP_COLUMNS)
         part_rows = slice(first, n)
-        health = healthy_stage(v["busy_s"][part_rows], [p[part_rows] for p in phases], flags[part_rows], never, g)
+        phases = cause_phases({c: v[c][part_rows] for c in timed if c in v})
+        health = healthy_stage(v["busy_s"][part_rows], phases, flags[part_rows], never, g)
         d["ref_h"][part_rows], d["ref_job"][part_rows], d["peer_phase"][part_rows] = (
             health.ref_h, health.ref_job, health.peer_phase)  # fmt: skip
+        d["slowdown"][part_rows] = v["busy_s"][part_rows] / health.ref_h[:, g.index]
         stats = _stats(d, n)
         full = HealthyStats(d["ref_h"][:n], d["ref_job"][:n], d["peer_phase"][:n])
         found = []
         cuts, carry = cut_indices(self._cuts(), self.steps), outlasts(cfg)
         for j in np.flatnonzero(~never):
+            mine = cause_phases({c: np.ascontiguousarray(v[c][:, j]) for c in timed if c in v})
             series = RankSeries(np.ascontiguousarray(d["e"][:n, j]), np.ascontiguousarray(v["busy_s"][:, j]),
-                                [np.ascontiguousarray(p[:, j]) for p in phases], full.ref_h[:, g.index[j]],
-                                other_max(stats.top_v, stats.top_c, g.index[j], j), full.peer_phase)  # fmt: skip
+                                mine, full.ref_h[:, g.index[j]], other_max(stats.top_v, stats.top_c, g.index[j], j),
+                                full.peer_phase)  # fmt: skip
             found += [straggler(int(self.ranks[j]), self.steps, series, a, b, cfg, bool(classic[a:b, j].any()), after)
                       for a, b, after in intervals(flags[:, j], cuts, v["busy_s"][:, j], carry)]  # fmt: skip
-        slowdown = v["busy_s"] / full.ref_h[:, g.index]
+        slowdown = d["slowdown"][:n]
         result = verdict(self.ranks, self.steps, found, stats, full, g, cfg, cons.thresholds(self.sc, cfg),  # type: ignore[arg-type]
                          slowdown, flags, cuts)  # fmt: skip
         result.healthy = never & g.paired()
