@@ -144,7 +144,8 @@ def _compatible(schema: pa.Schema) -> str | None:
     major = version.decode(errors="replace").split(".")[0]
     if major != SCHEMA_MAJOR:
         return f"schema version {version.decode(errors='replace')} (this reader: {SCHEMA_VERSION})"
-    missing = [n for n in STEP_SCHEMA.names if n not in schema.names and n not in _DERIVED]
+    present = set(schema.names)  # a list built again at every access
+    missing = [n for n in STEP_SCHEMA.names if n not in present and n not in _DERIVED]
     if missing:
         return f"missing columns {missing}"
     return None
