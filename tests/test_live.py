@@ -174,6 +174,61 @@ def test_a_refit_runs_beside_the_updates_and_the_next_update_takes_it(tmp_path, 
     assert live.exact and _same(live, tmp_path / "run")
 
 
+def test_the_jitter_tax_is_projected_beside_the_updates_and_the_next_update_takes_it(tmp_path, monkeypatch):
+    """The jitter tax resamples every healthy step (seconds at thousands of ranks): after the first report it is
+    projected again on a thread while the updates go on showing the last one, from the inputs of the update
+    that started it; the first update after it ended shows it; a failed one keeps the last; the settled run's
+    is analyze's."""
+    import threading
+
+    from stragglerwatch.analysis import live as live_mod
+
+    cfg = SimConfig(ranks=12, steps=400, seed=3, injections=[Injection(4, 0.3, 100)])
+    run = GrowingRun(tmp_path / "run", cfg)
+    live = LiveRun(tmp_path / "run", slow_every_s=0.0)
+    run.flush(150)
+    assert live.update()
+    first = live.analysis.report["jitter_tax"]
+    assert first is not None
+    release, calls = threading.Event(), []
+    real_work = live_mod.jitter_work
+
+    def held(verdict, figures, meta):
+        work, steps = real_work(verdict, figures, meta), len(verdict.steps)
+        calls.append(threading.current_thread().name)
+
+        def later():
+            assert release.wait(60)
+            if len(calls) == 2:
+                raise RuntimeError("a projection that fails")
+            return {**work(), "steps_seen": steps}
+
+        return later
+
+    monkeypatch.setattr(live_mod, "jitter_work", held)
+    run.flush(200)
+    assert live.update() and live.jitter_job is not None and live.jitter_job.thread.is_alive()
+    run.flush(250)
+    assert live.update() and live.analysis.report["jitter_tax"] == first, "the last one shown while it runs"
+    release.set()
+    live.jitter_job.thread.join(60)
+    run.flush(300)
+    assert live.update() and live.analysis.report["jitter_tax"]["steps_seen"] == 200, "taken by the next update"
+    assert live.jitter_job is not None, "and the next one started (slow_every_s 0)"
+    live.jitter_job.thread.join(60)
+    run.flush(350)
+    assert live.update() and live.analysis.report["jitter_tax"]["steps_seen"] == 200, "a failed one keeps the last"
+    assert calls == ["MainThread"] * len(calls) and len(calls) >= 3
+    monkeypatch.undo()
+    if live.jitter_job is not None:
+        live.jitter_job.thread.join(60)
+    run.flush(400)
+    live.update()
+    for _ in range(3):
+        live.update()
+    assert live.exact and _same(live, tmp_path / "run")
+
+
 def test_an_intermittent_straggler_is_followed_with_the_blocks_kept(tmp_path):
     """The block test of intermittent stragglers looks at every whole block of the history; a followed run keeps
     the blocks' means and costs and makes again only those from the first changed row: at every update its

@@ -21,7 +21,8 @@ and detection moves on from where it was instead of starting over.
   on a thread beside the updates (``fit_in_background``; at 4,096 ranks a fit and its imbalance
   verdict take 10-20 s), over the rows read when it began, and the first update after it ends takes it.
 - **Slow figures.** The host context and the jitter tax (a resampling of every healthy step) are
-  brought up to date at most every ``slow_every_s``.
+  brought up to date at most every ``slow_every_s``; the jitter tax on a thread beside the updates (at
+  4,096 ranks it takes seconds), the last one shown until it ends.
 - **Settling.** When an update finds nothing new, the run has been quiet for ``settle_after_s`` (and
   three of its usual gaps between flushes) and the verdict was not computed from all of the data at
   once, the run is analysed whole (``detect``, as ``analyze`` does): the verdict of a
@@ -68,6 +69,7 @@ from stragglerwatch.analysis.report import (
     empty_analysis,
     finish,
     jitter_projection,
+    jitter_work,
     last_steps,
     step_times,
 )
@@ -187,6 +189,22 @@ class _Work:
     imbalance: imb.Imbalance | None = None
 
 
+class _Jitter:
+    """A projection of the jitter tax running on a thread beside the updates; a failure keeps the last one."""
+
+    def __init__(self, started: float, work: Callable[[], dict | None]):
+        self.started, self.result, self.done = started, None, False
+
+        def run() -> None:
+            try:
+                self.result, self.done = work(), True
+            except Exception:  # noqa: BLE001 - the last projection stays shown; the settled run's is exact
+                pass
+
+        self.thread = threading.Thread(target=run, name="stragglerwatch-jitter", daemon=True)
+        self.thread.start()
+
+
 @dataclass
 class _Refit:
     """A work fit running on a thread beside the updates, over the first ``steps`` rows; ``done`` holds
@@ -239,6 +257,7 @@ class LiveRun:
         self.context: pd.DataFrame | None = None
         self.context_at = 0.0
         self.jitter_at: tuple[float, dict | None] | None = None  # when the jitter tax was projected, and it
+        self.jitter_job: _Jitter | None = None  # a projection running beside the updates
         self.settling = False
         self.previous: tuple[StepMatrix, Verdict, StepTimes] | None = None
         self.others: tuple = ()
@@ -443,10 +462,21 @@ class LiveRun:
                           collectives=self.collectives, jitter=self._jitter)  # type: ignore[arg-type]  # fmt: skip
 
     def _jitter(self, found: Verdict, figures: RankFigures, rank_meta: dict[int, dict]) -> dict | None:
-        """The jitter tax, projected again at most every ``slow_every_s`` (it resamples every step of the
-        healthy ranks) and when the run settles."""
-        if self.settling or self.jitter_at is None or time.monotonic() - self.jitter_at[0] >= self.slow_every_s:
-            self.jitter_at = (time.monotonic(), jitter_projection(found, figures, rank_meta))
+        """The jitter tax (it resamples every step of the healthy ranks: seconds at thousands of ranks): in the
+        update for the first report and when the run settles; else projected again at most every
+        ``slow_every_s``, on a thread beside the updates (from the update's figures, copied), the last one
+        shown meanwhile and the new one from the first update after it ended."""
+        now, job = time.monotonic(), self.jitter_job
+        if self.settling or self.jitter_at is None:
+            self.jitter_job = None  # a projection running now is of fewer steps: dropped
+            self.jitter_at = (now, jitter_projection(found, figures, rank_meta))
+            return self.jitter_at[1]
+        if job is not None and not job.thread.is_alive():  # ended: taken (a failed one keeps the last)
+            self.jitter_job = None
+            if job.done:
+                self.jitter_at = (job.started, job.result)
+        if self.jitter_job is None and now - self.jitter_at[0] >= self.slow_every_s:
+            self.jitter_job = _Jitter(now, jitter_work(found, figures, rank_meta))
         return self.jitter_at[1]
 
     def _follow(self, lo: int) -> Analysis:

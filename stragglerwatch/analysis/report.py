@@ -230,18 +230,25 @@ def lost_split(verdict: Verdict) -> dict[str, float]:
 
 def jitter_projection(verdict: Verdict, figures: RankFigures, rank_meta: dict[int, dict]) -> dict | None:
     """The jitter tax at 2, 8 and 64 times today's ranks (``jittertax.py``), from the ranks never flagged."""
+    return jitter_work(verdict, figures, rank_meta)()
+
+
+def jitter_work(verdict: Verdict, figures: RankFigures, rank_meta: dict[int, dict]) -> Callable[[], dict | None]:
+    """:func:`jitter_projection` in two halves: its inputs taken now (the healthy ranks' slowdown copied), and
+    the projection from them as the call returned, which may run later, on another thread."""
     busy, step = (x[np.isfinite(x)] for x in (figures.medians["busy_s"], figures.medians["step_s"]))
     with np.errstate(invalid="ignore", divide="ignore"):  # (no rank with a record: NaN, without a warning)
         share = float(np.median(busy) / np.median(step)) if busy.size and step.size else float("nan")
     share = share if np.isfinite(share) and share > 0 else 1.0
     if verdict.jitter_hosts is not None:  # the Ray engine's, reduced over its rank blocks
-        return project_hosts(verdict.jitter_hosts, verdict.jitter_ranks, share).to_dict()
+        per_host, ranks = verdict.jitter_hosts, verdict.jitter_ranks
+        return lambda: project_hosts(per_host, ranks, share).to_dict()
     if verdict.slowdown.ndim != 2 or verdict.slowdown.shape[1] != len(verdict.ranks) or not verdict.slowdown.size:
-        return None
+        return lambda: None
     healthy = verdict.healthy if verdict.healthy is not None else np.ones(len(verdict.ranks), dtype=bool)
     hosts = host_names(verdict.ranks[healthy], rank_meta)
-    per_host = host_deviations(verdict.slowdown[:, healthy], hosts)
-    return project_hosts(per_host, int(healthy.sum()), share).to_dict()
+    slowdown = verdict.slowdown[:, healthy]  # a copy: the arrays it came from may be written after
+    return lambda: project_hosts(host_deviations(slowdown, hosts), int(healthy.sum()), share).to_dict()
 
 
 def host_names(ranks: np.ndarray, rank_meta: dict[int, dict]) -> np.ndarray:
