@@ -2,8 +2,8 @@
 the HTML report and the dashboard. Large runs are aggregated here, on the server side: no figure
 carries more than ``MAX_STEP_COLS`` x ``MAX_RANK_ROWS`` heatmap cells or ``MAX_POINTS`` points a line,
 and none reads more than ``SAMPLE_ROWS`` steps of every rank: a bin of a longer run is the mean of
-steps spread evenly over it, so that a figure costs the same at any length of run (the chosen ranks'
-lines read all of their steps)."""
+steps spread over it (one from each of equal strata), so that a figure costs the same at any length
+of run (the chosen ranks' lines read all of their steps)."""
 
 from __future__ import annotations
 
@@ -40,15 +40,24 @@ def _bins(n: int, most: int) -> np.ndarray:
 
 def _sampled(n: int, starts: np.ndarray, most: int = SAMPLE_ROWS) -> tuple[np.ndarray | None, np.ndarray]:
     """The rows of ``n`` a figure binned at ``starts`` reads: where the bins hold more than ``most`` rows,
-    the same number from each bin (at least one), spread evenly over it, so that a long run's figure reads
-    no more than a short one's; and each bin's start among them. ``(None, starts)``: every row."""
+    the same number from each bin (at least one), one from each of as many equal strata of it, at a place
+    in its stratum drawn from the bin and stratum alone (so that a refresh reads the same rows, and a rank
+    slow every k-th step is not read always in its slow or always in its fast steps); and each bin's start
+    among them. ``(None, starts)``: every row."""
     if n <= most or not len(starts):
         return None, starts
     widths = np.diff(np.append(starts, n))
     take = np.minimum(widths, max(1, most // len(starts)))
     first = np.concatenate([[0], np.cumsum(take)[:-1]])
     which = np.repeat(np.arange(len(starts)), take)
-    rows = starts[which] + (np.arange(int(take.sum())) - first[which]) * widths[which] // take[which]
+    j = np.arange(int(take.sum())) - first[which]
+    lo, hi = j * widths[which] // take[which], (j + 1) * widths[which] // take[which]
+    # a fixed hash of (bin start, stratum): where in the stratum (SplitMix64's finaliser)
+    h = (starts[which].astype(np.uint64) << np.uint64(20)) ^ j.astype(np.uint64)
+    h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    h ^= h >> np.uint64(31)
+    rows = starts[which] + lo + (h % (hi - lo).astype(np.uint64)).astype(np.int64)
     return rows, first
 
 
