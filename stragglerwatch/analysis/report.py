@@ -113,17 +113,26 @@ def work_medians(values: dict[str, np.ndarray], column: str = "work") -> tuple[n
 def rank_rows(figures: RankFigures, verdict: Verdict, rank_meta: dict[int, dict]) -> list[RankRow]:
     """Per-rank medians (ms), busy time vs peers and flag, in rank order."""
     flagged = {s.rank for s in verdict.stragglers}
+    # each column rounded as a list first: a call per value on numpy scalars costs seconds at thousands of ranks
+    medians = {c.replace("_s", "_ms"): _nums(v, 3) for c, v in figures.medians.items()}
+    vs_peers, steps = _nums(figures.busy_vs_peers, 4), figures.steps.tolist()
+    worked = figures.work is not None and figures.busy_per_work is not None
+    work = _nums(figures.work, 3) if worked else []
+    per_work = _nums(figures.busy_per_work * 1e6, 4) if worked else []
     rows = []
     for j, rank in enumerate(figures.ranks.tolist()):
         meta = rank_meta.get(rank, {})
-        medians = {c.replace("_s", "_ms"): _num(v[j], 3) for c, v in figures.medians.items()}
-        rows.append(RankRow(rank=rank, host=meta.get("host"), role=meta.get("role"), steps=int(figures.steps[j]),
-                            **medians, busy_vs_peers=_num(figures.busy_vs_peers[j], 4),
+        rows.append(RankRow(rank=rank, host=meta.get("host"), role=meta.get("role"), steps=int(steps[j]),
+                            **{c: v[j] for c, v in medians.items()}, busy_vs_peers=vs_peers[j],
                             flagged=rank in flagged))  # fmt: skip
-        if figures.work is not None and figures.busy_per_work is not None:
-            rows[-1].work = _num(figures.work[j], 3)
-            rows[-1].busy_per_work_us = _num(figures.busy_per_work[j] * 1e6, 4)
+        if worked:
+            rows[-1].work, rows[-1].busy_per_work_us = work[j], per_work[j]
     return rows
+
+
+def _nums(values: np.ndarray, digits: int) -> list[float | None]:
+    """:func:`_num` of every value (Python's rounding, as one value at a time)."""
+    return [round(x, digits) if math.isfinite(x) else None for x in np.asarray(values, dtype=np.float64).tolist()]
 
 
 def build_report(

@@ -252,9 +252,14 @@ _OPTIONAL = {"arrivals", "lost_split", "jitter_tax", "run_dir", "events", "attem
              "unpaired"}
 
 
+_SCALARS = frozenset({int, float, str, bool})
+
+
 def _plain(value: Any) -> Any:
     """``value`` as plain lists and dicts, its dataclasses as dicts of their fields (as ``asdict`` gives, without
     its deep copies of every value: a report of thousands of ranks is converted at every live update)."""
+    if value is None or type(value) in _SCALARS:  # most values: said first
+        return value
     if isinstance(value, list):
         return [_plain(v) for v in value]
     if isinstance(value, tuple):
