@@ -157,18 +157,15 @@ def _read_parquet(path: Path, columns: list[str] | None = None, warn: Callable[[
 def log_files(run_dir: Path, pattern: re.Pattern[str] = LOG_NAME) -> list[Path]:
     """The step logs of a run dir (a segment compacted to Parquet is read once); ``pattern``: the
     file names of another stream (its group 3 the suffix)."""
-    found: dict[str, Path] = {}
-    for p in sorted(run_dir.iterdir(), key=_name):  # by name: a live view lists thousands every update
-        match = pattern.match(p.name)
+    found: dict[str, str] = {}
+    # names, not paths, until the end: a live view lists thousands every update (Path objects cost 10x)
+    for name in sorted(os.listdir(run_dir)):
+        match = pattern.match(name)
         if match:
-            stem = p.name.rsplit(".", 1)[0]
+            stem = name.rsplit(".", 1)[0]
             if match.group(3) == "parquet" or stem not in found:
-                found[stem] = p
-    return sorted(found.values(), key=_name)
-
-
-def _name(p: Path) -> str:
-    return p.name
+                found[stem] = name
+    return [Path(run_dir) / name for name in sorted(found.values())]
 
 
 @dataclass
