@@ -106,6 +106,7 @@ from stragglerwatch.record.steplog import RunDirWarning, conform, read_log, run_
 
 SCALAR_RANKS = 256  # ranks the followed run's scalars are estimated from
 RESERVE = 16384  # steps of room the arrays are made with
+OTHER_SUFFIXES = (".jsonl", ".json", ".txt")  # the files besides the logs a report reads (``LiveRun._others``)
 NAMES = [*ID_COLUMNS, *VALUE_COLUMNS]
 
 
@@ -272,8 +273,9 @@ class LiveRun:
         """The files besides the step logs and context streams that the report reads: events, stacks,
         the run's and the ranks' metadata."""
         try:
-            names = [p for p in self.run_dir.iterdir() if p.suffix in (".jsonl", ".json", ".txt")]
-            return tuple(sorted((p.name, st.st_size, st.st_mtime_ns) for p, st in ((p, p.stat()) for p in names)))
+            with os.scandir(self.run_dir) as found:  # names and stats, without a Path each (thousands an update)
+                entries = [(e.name, e.stat()) for e in found if os.path.splitext(e.name)[1] in OTHER_SUFFIXES]
+            return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in entries))
         except OSError:
             return ()
 
