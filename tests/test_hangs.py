@@ -230,6 +230,43 @@ def test_uncaught_exception_is_recorded(tmp_path: Path, exc: Exception) -> None:
     assert kinds[0] == ("exception", f"{type(exc).__name__}: {exc}") and seen == [type(exc)]
 
 
+#: A process whose SIGTERM handler (installed before attach) is sent SIGTERM again while it runs, after the
+#: hang policy began ending the rank (torchrun's teardown of the survivors as a peer leaves).
+_TWICE = """
+import os, signal, sys, time
+from torch import nn
+import stragglerwatch
+
+calls = []
+
+def checkpoint(signum, frame):
+    calls.append(signum)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)  # the second SIGTERM's handler runs in here
+    print("saved after", len(calls), "call(s)", flush=True)
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, checkpoint)
+watch = stragglerwatch.attach(nn.Linear(2, 2), sys.argv[1], watchdog_timeout_s=60)
+watch._watchdog.aborting = True  # the hang policy's SIGTERM, as its terminate() sends it
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(10)
+print("not ended", flush=True)
+"""
+
+
+def test_a_sigterm_while_the_handler_runs_for_the_hang_policy_does_not_interrupt_it(tmp_path: Path) -> None:
+    """The application's handler (chained to by ours) runs to its end once, and the rank exits 75: a second
+    SIGTERM meanwhile neither calls it again nor ends the process inside it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _TWICE, str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.stdout.strip() == "saved after 1 call(s)" and proc.returncode == 75, (proc.returncode, proc.stdout,
+                                                                                       proc.stderr[-2000:])
+
+
 def nccl_note(step: int, issued: int, completed: int | None = None, started: int | None = None,
               gpu: tuple[int, str] | None = None) -> dict:
     """A rank's note on NCCL: the host blocks at ``.item()`` (phase other) whatever its GPU does."""

@@ -9,7 +9,8 @@ attached; what the test checks goes into OUT_DIR:
   first finished step) and ``done-<restart>-<rank>`` at the end; the culprit writes ``hang-<rank>`` (when it
   stopped). ``--stuck native``: in native code holding the GIL (a libc ``sleep``), where no Python runs.
   ``--handler before|after|none``: the application's SIGTERM handler, installed before or after attach,
-  writes ``ckpt-<restart>-<rank>`` and calls ``sys.exit(0)``;
+  writes ``ckpt-<restart>-<rank>`` and calls ``sys.exit(0)`` (once: a SIGTERM while it saves, torchrun's to the
+  survivors, is ignored, as a handler under torchrun must);
 - ``recover``: rank 1 pauses ``--pause`` seconds at step ``--hang-step``, then goes on;
 - ``straggler``: rank ``--slow-rank`` (none: -1) sleeps ``--delay`` seconds in every forward from step
   10 (``--contend``: instead, each rank pinned to a CPU of its own, busy processes pinned to its CPU from
@@ -109,7 +110,12 @@ def main() -> None:
                               nn.Linear(width, 4)))  # fmt: skip
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
+    saving: list[int] = []
+
     def checkpoint(signum: int, frame: object) -> None:
+        if saving:  # torchrun's SIGTERM to the survivors, while this one saves: the first call finishes
+            return
+        saving.append(signum)
         torch.save(model.module.state_dict(), args.out / f"ckpt-{restart}-{rank}")
         sys.exit(0)
 

@@ -57,6 +57,8 @@ from stragglerwatch.runtime.log import LOGGER
 
 #: The exit status of a rank that the hang policy ended (``EX_TEMPFAIL``: try again).
 HANG_EXIT_STATUS = 75
+#: Why a victim sent SIGTERM in its diagnosed stall was ended by the policy (torchrun's teardown as a peer left).
+TORN_DOWN = "SIGTERM while it waited (the job torn down as a peer left)"
 #: The most the abort of the process groups is waited for (an NCCL abort can itself block).
 ABORT_WAIT_S = 2.0
 

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from stragglerwatch.runtime.actions.hangabort import HANG_EXIT_STATUS
+from stragglerwatch.runtime.actions.hangabort import HANG_EXIT_STATUS, TORN_DOWN
 
 if TYPE_CHECKING:  # the watchdog owns its hooks
     from stragglerwatch.runtime.hangs.watchdog import Watchdog
@@ -48,6 +48,7 @@ class ShutdownHooks:
         self._prev_wakeup = -1
         self._active = True  # False after remove(): the handler only passes the signal on
         self._handled = False  # the application's handler ran for the hang policy: not again
+        self._handling = False  # and it runs now: a SIGTERM meanwhile does not interrupt it
         sys.excepthook = self._excepthook
         if threading.current_thread() is not threading.main_thread():
             return
@@ -113,11 +114,13 @@ class ShutdownHooks:
         status: that of its ``sys.exit`` where not 0 (or None), else ``HANG_EXIT_STATUS``."""
         if self._handled or not callable(handler):
             return HANG_EXIT_STATUS
-        self._handled = True
+        self._handled = self._handling = True
         try:
             handler(signal.SIGTERM, frame)
         except SystemExit as exc:
             return exc.code if exc.code not in (0, None) else HANG_EXIT_STATUS
+        finally:
+            self._handling = False
         return HANG_EXIT_STATUS
 
     def terminate(self) -> str:
@@ -144,6 +147,12 @@ class ShutdownHooks:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         prev = self._prev_handler
         if self._ours() and self.watchdog.aborting:
+            if self._handling:  # another SIGTERM (torchrun's teardown, as a peer left) while it runs: it finishes
+                return
+            raise SystemExit(self._application_handler(prev, frame))
+        if self._ours() and self.watchdog.collective_failed(TORN_DOWN) is not None:  # a victim, in its stall
+            if self._handling:
+                return
             raise SystemExit(self._application_handler(prev, frame))
         if self._ours():
             self.watchdog.on_terminate("SIGTERM")

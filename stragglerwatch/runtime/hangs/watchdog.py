@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from stragglerwatch.analysis.hangs import PROGRESS_KEYS, SILENT_S, WAITING, classify, confirm, local_verdict
 from stragglerwatch.record.events import BOUNDED_WRITE_S, EventFile
-from stragglerwatch.runtime.actions.hangabort import HANG_EXIT_STATUS, HangAbort
+from stragglerwatch.runtime.actions.hangabort import HANG_EXIT_STATUS, TORN_DOWN, HangAbort
 from stragglerwatch.runtime.hangs.dumps import dump_flight_recorder, thread_stacks
 from stragglerwatch.runtime.hangs.nativestacks import NativeStacks
 from stragglerwatch.runtime.hangs.peers import PeerBoard, collective_counts, collective_progress
@@ -206,7 +206,7 @@ class Watchdog:
                 data = os.read(self._wakeup, 64)
             except OSError:
                 data = b""
-            if signal.SIGTERM in data:
+            if signal.SIGTERM in data and self.collective_failed(TORN_DOWN) is None:
                 self.on_terminate("SIGTERM", from_thread=True)
 
     def _poll(self, native_dump: str | None = None) -> None:
@@ -361,7 +361,9 @@ class Watchdog:
 
     def collective_failed(self, error: str) -> tuple[str, float] | None:
         """``on_hang="abort"``, from the main thread, whose blocked call has just raised ``error`` and will
-        end the process: what the hang policy does about it, and within how many seconds the rank ends.
+        end the process (or from a SIGTERM, :data:`TORN_DOWN`: torchrun ends the other ranks as one leaves,
+        often before the collective's error reaches Python): what the hang policy does about it, and within
+        how many seconds the rank ends.
 
         - ``"acting"``: the policy's thread is already ending this rank; its SIGTERM follows, or came.
         - ``"claimed"``: this rank waited, in a diagnosed stall, for culprits other than itself, on a backend
