@@ -114,7 +114,7 @@ def action_lines(report: dict[str, Any]) -> list[str]:
             lines.append(action_line(a))
     for group in aborts.values():
         failed = sorted({int(a["rank"]) for a in group if a.get("error")})
-        after = (f"; rank(s) {ranks_text(failed)} from the error of the collective they waited in, as a culprit "
-                 "left" if failed else "")  # fmt: skip
+        after = (f"; rank(s) {ranks_text(failed)} as a culprit left (their collective's error, or torchrun's "
+                 "SIGTERM)" if failed else "")  # fmt: skip
         lines.insert(0, action_line(group[0], sorted({int(a["rank"]) for a in group})) + after)
     return lines
