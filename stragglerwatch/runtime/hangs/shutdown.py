@@ -146,12 +146,9 @@ class ShutdownHooks:
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         prev = self._prev_handler
-        if self._ours() and self.watchdog.aborting:
+        # the hang policy is ending this rank, or ends it now (a victim sent SIGTERM in its stall)
+        if self._ours() and (self.watchdog.aborting or self.watchdog.collective_failed(TORN_DOWN) is not None):
             if self._handling:  # another SIGTERM (torchrun's teardown, as a peer left) while it runs: it finishes
-                return
-            raise SystemExit(self._application_handler(prev, frame))
-        if self._ours() and self.watchdog.collective_failed(TORN_DOWN) is not None:  # a victim, in its stall
-            if self._handling:
                 return
             raise SystemExit(self._application_handler(prev, frame))
         if self._ours():
