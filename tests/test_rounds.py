@@ -168,3 +168,27 @@ def test_warnings_ignored_in_threads_at_once_are_shown_again_after_the_last() ->
         warnings.simplefilter("always", RuntimeWarning)
         warnings.warn("after", RuntimeWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == ["after"]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_sorted_median_is_bottlenecks_bit_for_bit(dtype: type) -> None:
+    import bottleneck as bn
+
+    from stragglerwatch.analysis.rounds import sorted_nanmedian
+
+    rng = np.random.default_rng(7)
+    for shape in ((1, 1), (1, 6), (6, 1), (2, 2), (9, 4), (10, 7), (301, 64), (64, 301)):
+        a = rng.lognormal(size=shape).astype(dtype) * dtype(0.01)
+        a[rng.random(shape) < 0.2] = np.nan  # lanes of odd and even counts of finite values
+        a[rng.random(shape) < 0.05] = a.flat[0]  # ties
+        if shape[0] > 2:
+            a[0, :] = np.nan  # a lane (row) with none
+            a[1, 0], a[2, 0] = np.inf, -np.inf
+        if shape[1] > 2:
+            a[:, 1] = np.nan  # a column with none
+        for order in ("C", "F"):
+            x = np.asarray(a, order=order)
+            for axis in (0, 1):
+                got, want = sorted_nanmedian(x, axis), bn.nanmedian(x, axis=axis)
+                assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True), (shape, order, axis)
+            assert np.array_equal(x, a, equal_nan=True), "the input is left as it was (a copy is sorted)"

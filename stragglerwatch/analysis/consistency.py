@@ -51,7 +51,7 @@ from stragglerwatch.analysis.intermittent import (
     block_stats,
     intermittent_flags,
 )
-from stragglerwatch.analysis.rounds import by_columns
+from stragglerwatch.analysis.rounds import by_columns, sorted_nanmedian
 from stragglerwatch.analysis.thresholds import Floors, classic_floors, floors
 
 if TYPE_CHECKING:  # detect.py imports this module
@@ -69,7 +69,7 @@ def rank_blocks(n_ranks: int, n_steps: int) -> list[slice]:
 
 def rank_nanmedian(x: np.ndarray) -> np.ndarray:
     """Per column (rank) median of the finite values; NaN for a column with none."""
-    return by_columns(lambda part: bn.nanmedian(part, axis=0), x) if x.size else np.full(x.shape[1], np.nan)
+    return by_columns(lambda part: sorted_nanmedian(part, 0), x) if x.size else np.full(x.shape[1], np.nan)
 
 
 @dataclass

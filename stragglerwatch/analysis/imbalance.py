@@ -81,6 +81,7 @@ class WorkModel:
     healthy: dict[str, np.ndarray]  # column -> per group
     steps: int
     ref: np.ndarray  # steps x groups: the group's median work in the step (times are adjusted to it)
+    every: int = 1  # the fit took every ``every``-th step of the run (``workfit.Measured.every``)
 
 
 #: The record's two counts of the work: what the loop counted, and the input's padded shape.
@@ -201,7 +202,7 @@ def model(rounds: Rounds, groups: Groups, measured: workfit.Measured, healthy: n
             known = np.sort(beta[pick[idx] & np.isfinite(beta)])
             if known.size:
                 healthy_slope[c][gi] = known[(known.size - 1) // 2] if healthy is None else float(np.median(known))
-    return WorkModel(slopes, healthy_slope, measured.steps, measured.ref)
+    return WorkModel(slopes, healthy_slope, measured.steps, measured.ref, measured.every)
 
 
 def same_busy(a: WorkModel, b: WorkModel) -> bool:
@@ -241,9 +242,10 @@ def adjust(values: dict[str, np.ndarray], model: WorkModel, groups: Groups, rows
 
 def ranks_terms(values: dict[str, np.ndarray], rows: slice, cols: slice, slope: np.ndarray
                 ) -> dict[str, np.ndarray]:  # fmt: skip
-    """A rank round: per rank, the intercept of its fit (its median of ``busy - slope * work``), the bound of
-    its typical deviations from the fit (``SPIKE`` robust deviations) and how far they grow with its fitted
-    time (:func:`_elasticity`); the fitted time and size of the deviations beyond the bound (spikes)."""
+    """A rank round on the steps the work fit takes: per rank, the intercept of its fit (its median of
+    ``busy - slope * work``), the bound of its typical deviations from the fit (``SPIKE`` robust deviations) and
+    how far they grow with its fitted time (:func:`_elasticity`). Medians of a rank's own cells, as good from the
+    fit's 2,048 steps as from every step (``workfit.FIT_STEPS``), and that much cheaper."""
     w, busy = values["work"], values["busy_s"]
     ok = np.isfinite(w) & np.isfinite(busy)
     b = slope[cols][None, :]
@@ -253,10 +255,21 @@ def ranks_terms(values: dict[str, np.ndarray], rows: slice, cols: slice, slope: 
         dev = np.where(ok, busy - own, 0.0)
         bound = SPIKE * 1.4826 * nanmedian(np.where(ok, np.abs(dev), np.nan), axis=0)
         typical = np.clip(dev, -np.nan_to_num(bound), np.nan_to_num(bound))
-    tail = dev - typical
+    return {"intercept": intercept, "bound": bound, "share": _elasticity(np.abs(typical), own, ok)}
+
+
+def ranks_spikes(values: dict[str, np.ndarray], rows: slice, cols: slice, slope: np.ndarray,
+                 terms: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # fmt: skip
+    """A rank round on every step: the fitted time and size of each deviation beyond its rank's bound (a spike)."""
+    w, busy = values["work"], values["busy_s"]
+    ok = np.isfinite(w) & np.isfinite(busy)
+    with ignoring():
+        own = terms["intercept"][cols][None, :] + slope[cols][None, :] * w
+        dev = np.where(ok, busy - own, 0.0)
+        bound = np.nan_to_num(terms["bound"][cols])
+        tail = dev - np.clip(dev, -bound, bound)
     spikes = ok & (tail != 0)
-    return {"intercept": intercept, "bound": bound, "share": _elasticity(np.abs(typical), own, ok),
-            "spike_own": own[spikes], "spike_size": np.abs(tail[spikes])}  # fmt: skip
+    return {"spike_own": own[spikes], "spike_size": np.abs(tail[spikes])}
 
 
 def steps_cost(values: dict[str, np.ndarray], rows: slice, cols: slice, groups: Groups, slope: np.ndarray,
@@ -296,7 +309,8 @@ def assess(rounds: Rounds, model: WorkModel, groups: Groups, flagged: np.ndarray
     it, the healthy one for the others). ``rounds`` reach the values, with the fitted work as ``work``."""
     own = model.slopes["busy_s"]
     slope = np.where(flagged & np.isfinite(own), own, model.healthy["busy_s"][groups.index])
-    terms = joined(rounds.by_ranks(ranks_terms, slope))
+    terms = joined(rounds.thin(model.every, ("work", "busy_s")).by_ranks(ranks_terms, slope))
+    terms.update(joined(rounds.by_ranks(ranks_spikes, slope, terms)))
     known = terms["share"][np.isfinite(terms["share"])]
     share = float(np.median(known)) if known.size else 0.0
     n_spikes = terms["spike_own"].size

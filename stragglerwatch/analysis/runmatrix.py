@@ -235,10 +235,52 @@ def _placed(f: Path, names: list[str], known: np.ndarray, shift: np.ndarray, ste
     return {col: table[col].to_numpy()[ok] for col in VALUE_COLUMNS}, (si[ok], ri[ok]), counted
 
 
-def empty_values(n_steps: int, n_ranks: int) -> dict[str, np.ndarray]:
-    """NaN arrays, column-major: a rank's steps lie together, as they are read."""
-    return {c: np.full((n_steps, n_ranks), np.nan, dtype=np.float64 if c in FLOAT64_COLUMNS else np.float32,
-                       order="F") for c in VALUE_COLUMNS}  # fmt: skip
+def empty_values(n_steps: int, n_ranks: int, blank: bool = True) -> dict[str, np.ndarray]:
+    """NaN arrays, column-major: a rank's steps lie together, as they are read (``blank`` False: not yet NaN,
+    :class:`_Blanks` makes them so where no record lands)."""
+    out = {c: np.empty((n_steps, n_ranks), dtype=np.float64 if c in FLOAT64_COLUMNS else np.float32, order="F")
+           for c in VALUE_COLUMNS}  # fmt: skip
+    if blank:
+        for v in out.values():
+            v.fill(np.nan)
+    return out
+
+
+class _Blanks:
+    """NaN where no record lands, written once: a rank's column is made NaN outside the rows its records filled
+    (runs of consecutive steps, the usual file) when its first scattered record arrives, or at the end. A run
+    whose ranks recorded every step writes no NaN at all (filling the arrays with NaN first cost as much as
+    placing the records)."""
+
+    def __init__(self, out: dict[str, np.ndarray]) -> None:
+        self.out = out
+        self.spans: dict[int, list[tuple[int, int]]] = {}  # column -> rows filled, until it is made whole
+        self.whole = np.zeros(next(iter(out.values())).shape[1], dtype=bool)
+
+    def filled(self, at: tuple) -> None:
+        """Before records are written ``at`` (``_placed``'s index)."""
+        rows, col = at
+        if isinstance(rows, slice):
+            if not self.whole[col]:
+                self.spans.setdefault(int(col), []).append((rows.start, rows.stop))
+            return
+        for c in np.unique(col).tolist():
+            self._blank(c)
+
+    def _blank(self, col: int) -> None:
+        if self.whole[col]:
+            return
+        self.whole[col] = True
+        n, lo = len(next(iter(self.out.values()))), 0
+        for a, b in [*sorted(self.spans.pop(col, [])), (n, n)]:
+            if a > lo:
+                for v in self.out.values():
+                    v[lo:a, col] = np.nan
+            lo = max(lo, b)
+
+    def finish(self) -> None:
+        for col in np.flatnonzero(~self.whole).tolist():
+            self._blank(col)
 
 
 def fill(
@@ -252,7 +294,8 @@ def fill(
     ranks, and rows written after the scan, are left out). NaN where a rank has no record. With
     ``units``, the ``work_unit`` of the rows kept is counted into it (``steplog.count_units``) in the same read."""
     steps = step_plan.steps
-    out = empty_values(len(steps), len(ranks))
+    out = empty_values(len(steps), len(ranks), blank=False)
+    blanks = _Blanks(out)
     known = np.array(sorted(step_plan.offsets), dtype=np.int64)
     shift = np.array([step_plan.offsets[k] for k in known], dtype=np.int64)
     names = [*ID_COLUMNS, *VALUE_COLUMNS, *(["work_unit"] if units is not None else [])]
@@ -260,6 +303,7 @@ def fill(
         for _ in files:
             if progress:
                 progress()
+        blanks.finish()
         return out
     place = functools.partial(_placed, names=names, known=known, shift=shift, steps=steps, ranks=ranks,
                               count=units is not None)  # fmt: skip
@@ -272,6 +316,8 @@ def fill(
         if units is not None:
             for unit, n in counted.items():
                 units[unit] = units.get(unit, 0) + n
+        blanks.filled(at)
         for col in VALUE_COLUMNS:
             out[col][at] = columns[col]
+    blanks.finish()
     return out

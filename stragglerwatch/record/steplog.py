@@ -207,7 +207,9 @@ def conform(table: pa.Table | None, names: list[str], f: Path, warn: Callable[[s
         return None
     schema = _schema(tuple(names))
     try:
-        table = upgrade(table, names).cast(schema)
+        table = upgrade(table, names)
+        if not table.schema.equals(schema):  # a log of this version already is (a cast would copy it)
+            table = table.cast(schema)
     except (pa.ArrowException, ValueError, KeyError) as exc:
         warn(f"{f}: skipped: its columns cannot be read as a step log ({exc})")
         return None
