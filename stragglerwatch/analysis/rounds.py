@@ -151,13 +151,28 @@ def sorted_nanmedian(x: np.ndarray, axis: int) -> np.ndarray:
     lanes = np.array(x, order="C" if axis == 1 else "F")  # a copy, each lane contiguous
     lanes.sort(axis=axis)
     n = lanes.shape[axis]
-    k = n - np.count_nonzero(np.isnan(lanes), axis=axis)  # finite values per lane
-    lo, hi = np.maximum(k - 1, 0) // 2, np.minimum(k // 2, max(n - 1, 0))
     at = np.arange(lanes.shape[1 - axis])
-    a, b = (lanes[at, lo], lanes[at, hi]) if axis == 1 else (lanes[lo, at], lanes[hi, at])
+
+    def nth(i: np.ndarray) -> np.ndarray:
+        return lanes[at, i] if axis == 1 else lanes[i, at]
+
+    k = _finite_count(nth, n, len(at))
+    lo, hi = np.maximum(k - 1, 0) // 2, np.minimum(k // 2, max(n - 1, 0))
+    a, b = nth(lo), nth(hi)
     with np.errstate(invalid="ignore", over="ignore"):
         mid = np.where(lo == hi, a, (a + b) * x.dtype.type(0.5))
     return np.where(k > 0, mid, np.nan).astype(x.dtype, copy=False)
+
+
+def _finite_count(nth: Callable[[np.ndarray], np.ndarray], n: int, lanes: int) -> np.ndarray:
+    """Per sorted lane of ``n`` values (NaN last; ``nth(i)``: each lane's ``i[lane]``-th), how many are not NaN: a
+    binary search in every lane at once (a pass over the lanes costs as much as sorting them)."""
+    lo, hi = np.zeros(lanes, dtype=np.int64), np.full(lanes, n, dtype=np.int64)  # the first NaN lies in [lo, hi]
+    while (lo < hi).any():
+        mid = (lo + hi) // 2
+        nan = np.isnan(nth(np.minimum(mid, n - 1)))
+        lo, hi = np.where(nan | (lo >= hi), lo, mid + 1), np.where(nan & (lo < hi), mid, hi)
+    return lo
 
 
 def nanvar_cols(x: np.ndarray) -> np.ndarray:
