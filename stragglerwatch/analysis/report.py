@@ -95,10 +95,12 @@ class RankFigures:
     busy_per_work: np.ndarray | None = None  # median busy seconds per unit of work
 
     @classmethod
-    def of(cls, mat: StepMatrix, verdict: Verdict) -> RankFigures:
+    def of(cls, mat: StepMatrix, verdict: Verdict, medians: dict[str, np.ndarray] | None = None) -> RankFigures:
+        """``medians``: ``rank_medians`` of ``mat``'s :data:`RANK_COLUMNS` where they were taken already."""
         im = verdict.imbalance
         work, per = work_medians(mat.values, im.column) if im is not None else (None, None)
-        return cls(mat.ranks, rank_medians(mat.values, RANK_COLUMNS), nanmedian(verdict.slowdown, axis=0),
+        medians = rank_medians(mat.values, RANK_COLUMNS) if medians is None else medians
+        return cls(mat.ranks, medians, nanmedian(verdict.slowdown, axis=0),
                    np.sum(~np.isnan(mat.values["busy_s"]), axis=0), work, per)  # fmt: skip
 
 
@@ -325,11 +327,16 @@ def analyze_run(
     times = step_times(mat.steps, start, mat.values["step_s"])
     del start
     roles = {r: m["role"] for r, m in rank_meta.items() if m.get("role") is not None}
-    verdict = detect(mat, config, groups=roles or None, progress=tick)
+    # the table's per-rank medians read the values as recorded: taken beside detection, whose rule steps through
+    # the run on one core
+    with ThreadPoolExecutor(1) as aside:
+        medians = aside.submit(rank_medians, mat.values, RANK_COLUMNS)
+        verdict = detect(mat, config, groups=roles or None, progress=tick)
+        figures = RankFigures.of(mat, verdict, medians.result())
     done[0] = max(done[0], total - 2)  # the stages a run without work skips
     tick()
-    analysis = finish(path, RankFigures.of(mat, verdict), verdict, rank_meta, times, last_steps(mat), plan,
-                      Analysis(None, mat, verdict), config=config)  # type: ignore[arg-type]  # fmt: skip
+    analysis = finish(path, figures, verdict, rank_meta, times, last_steps(mat), plan, Analysis(None, mat, verdict),
+                      config=config)  # type: ignore[arg-type]  # fmt: skip
     tick()
     return analysis
 
