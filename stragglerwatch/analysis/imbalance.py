@@ -39,7 +39,17 @@ import numpy as np
 
 from stragglerwatch._quiet import ignoring
 from stragglerwatch.analysis import workfit
-from stragglerwatch.analysis.rounds import Rounds, Whole, joined, nanmean_rows, rowsum, thinned
+from stragglerwatch.analysis.rounds import (
+    PARALLEL_CELLS,
+    Rounds,
+    Whole,
+    joined,
+    nanmean_rows,
+    on_threads,
+    rowsum,
+    thinned,
+    workers,
+)
 from stragglerwatch.analysis.stages import Groups, nanmedian
 from stragglerwatch.analysis.workfit import ADJUSTED, fit_every
 
@@ -230,13 +240,19 @@ def adjust(values: dict[str, np.ndarray], model: WorkModel, groups: Groups, rows
     dw = np.nan_to_num(values["work"] - model.ref[rows][:, slice(0, 1) if one else gidx], copy=False)
     out = dict(values)
     same_ref = before is not None and (before[0].ref is model.ref or np.array_equal(before[0].ref, model.ref))
-    for c in ADJUSTED:
+
+    def one(c: str) -> np.ndarray:
         if same_ref and np.array_equal(before[0].healthy[c], model.healthy[c]):  # type: ignore[index]
-            out[c] = before[1][c]
-            continue
+            return before[1][c]  # type: ignore[index]
         col = model.healthy[c][gidx][None, :] * dw
         np.subtract(values[c], col, out=col, dtype=np.float64)  # in float64 whatever the column's type
-        out[c] = np.maximum(col, 0.0, out=col) if c != "busy_s" else np.where(np.isnan(values[c]), np.nan, col)
+        return np.maximum(col, 0.0, out=col) if c != "busy_s" else np.where(np.isnan(values[c]), np.nan, col)
+
+    # the columns at once, in threads where they are large (each is its own, element by element)
+    k = min(len(ADJUSTED), workers()) if dw.size >= PARALLEL_CELLS else 1
+    parts = [ADJUSTED[i::k] for i in range(k)]
+    for part, cols in zip(parts, on_threads([lambda part=part: [one(c) for c in part] for part in parts]), strict=True):
+        out.update(zip(part, cols, strict=True))
     return out
 
 

@@ -18,7 +18,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -299,11 +299,16 @@ def analyze_run(
     path, _, files = run_files(run_dir)
     done = [0]
     total = 2 * len(files) + len(STAGES) + 2  # and the report
+    aside = ThreadPoolExecutor(1)
+    medians: list[Future] = []
 
     def tick(stage: str = "") -> None:
         done[0] += 1
         if progress:
             progress(done[0], total)
+        if stage == "flags" and not medians:  # the table's per-rank medians read the values as recorded: taken
+            # beside the flags, whose rule steps through the run on one core
+            medians.append(aside.submit(rank_medians, mat.values, RANK_COLUMNS))
 
     def scan(f: Path) -> tuple[runmatrix.FileScan | None, list[str]]:
         said: list[str] = []
@@ -327,12 +332,9 @@ def analyze_run(
     times = step_times(mat.steps, start, mat.values["step_s"])
     del start
     roles = {r: m["role"] for r, m in rank_meta.items() if m.get("role") is not None}
-    # the table's per-rank medians read the values as recorded: taken beside detection, whose rule steps through
-    # the run on one core
-    with ThreadPoolExecutor(1) as aside:
-        medians = aside.submit(rank_medians, mat.values, RANK_COLUMNS)
+    with aside:
         verdict = detect(mat, config, groups=roles or None, progress=tick)
-        figures = RankFigures.of(mat, verdict, medians.result())
+        figures = RankFigures.of(mat, verdict, medians[0].result() if medians else None)
     done[0] = max(done[0], total - 2)  # the stages a run without work skips
     tick()
     analysis = finish(path, figures, verdict, rank_meta, times, last_steps(mat), plan, Analysis(None, mat, verdict),
