@@ -51,7 +51,8 @@ from stragglerwatch.analysis.intermittent import (
     block_stats,
     intermittent_flags,
 )
-from stragglerwatch.analysis.rounds import by_columns, sorted_nanmedian
+from stragglerwatch.analysis.rounds import by_columns
+from stragglerwatch.analysis.stages import nanmedian
 from stragglerwatch.analysis.thresholds import Floors, classic_floors, floors
 
 if TYPE_CHECKING:  # detect.py imports this module
@@ -69,7 +70,7 @@ def rank_blocks(n_ranks: int, n_steps: int) -> list[slice]:
 
 def rank_nanmedian(x: np.ndarray) -> np.ndarray:
     """Per column (rank) median of the finite values; NaN for a column with none."""
-    return by_columns(lambda part: sorted_nanmedian(part, 0), x) if x.size else np.full(x.shape[1], np.nan)
+    return nanmedian(x, axis=0) if x.size else np.full(x.shape[1], np.nan)
 
 
 @dataclass

@@ -37,14 +37,20 @@ CAUSES = {
 }
 
 
+#: numpy sorts floats with vector instructions (AVX2, AVX-512) from 2.0 on: sorting then beats bottleneck's selection.
+SIMD_SORT = np.lib.NumpyVersion(np.__version__) >= "2.0.0"
+
+
 def nanmedian(a: np.ndarray, axis: int) -> np.ndarray:
     """The median of the finite values along ``axis`` (NaN where there are none), without numpy's warnings: of
-    a 2-D float array by sorting (:func:`~stragglerwatch.analysis.rounds.sorted_nanmedian`), else bottleneck's
-    selection, several times faster than numpy's on large arrays."""
+    a 2-D float array by sorting (:func:`~stragglerwatch.analysis.rounds.sorted_nanmedian`, the same bits) where
+    numpy sorts with vector instructions, else bottleneck's selection, several times faster than numpy's median."""
     if a.size == 0:
         return np.full(a.shape[1 - axis] if a.ndim == 2 else 0, np.nan)
-    if a.ndim == 2 and a.dtype.kind == "f":  # large ones in threads, a chunk of the rows (or columns) each
-        return (by_rows if axis == 1 else by_columns)(lambda x: sorted_nanmedian(x, axis), a)
+    if a.ndim == 2:  # large ones in threads, a chunk of the rows (or columns) each
+        sort = a.dtype.kind == "f" and SIMD_SORT
+        return (by_rows if axis == 1 else by_columns)(
+            lambda x: sorted_nanmedian(x, axis) if sort else bn.nanmedian(x, axis=axis), a)  # fmt: skip
     return bn.nanmedian(a, axis=axis)
 
 
