@@ -170,11 +170,14 @@ def test_warnings_ignored_in_threads_at_once_are_shown_again_after_the_last() ->
     assert [str(w.message) for w in seen] == ["after"]
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_the_sorted_median_is_bottlenecks_bit_for_bit(dtype: type) -> None:
+@pytest.mark.parametrize(("dtype", "cells"), [(np.float64, 1 << 22), (np.float32, 1 << 22), (np.float64, 500)])
+def test_the_sorted_median_is_bottlenecks_bit_for_bit(monkeypatch, dtype: type, cells: int) -> None:
     import bottleneck as bn
 
+    from stragglerwatch.analysis import rounds
     from stragglerwatch.analysis.rounds import sorted_nanmedian
+
+    monkeypatch.setattr(rounds, "SORT_CELLS", cells)  # 500: the lanes sorted a few at a time
 
     rng = np.random.default_rng(7)
     for shape in ((1, 1), (1, 6), (6, 1), (2, 2), (9, 4), (10, 7), (301, 64), (64, 301)):
