@@ -235,15 +235,11 @@ def _placed(f: Path, names: list[str], known: np.ndarray, shift: np.ndarray, ste
     return {col: table[col].to_numpy()[ok] for col in VALUE_COLUMNS}, (si[ok], ri[ok]), counted
 
 
-def empty_values(n_steps: int, n_ranks: int, blank: bool = True) -> dict[str, np.ndarray]:
-    """NaN arrays, column-major: a rank's steps lie together, as they are read (``blank`` False: not yet NaN,
-    :class:`_Blanks` makes them so where no record lands)."""
-    out = {c: np.empty((n_steps, n_ranks), dtype=np.float64 if c in FLOAT64_COLUMNS else np.float32, order="F")
-           for c in VALUE_COLUMNS}  # fmt: skip
-    if blank:
-        for v in out.values():
-            v.fill(np.nan)
-    return out
+def empty_values(n_steps: int, n_ranks: int) -> dict[str, np.ndarray]:
+    """Arrays not yet written, column-major: a rank's steps lie together, as they are read (:class:`_Blanks` makes
+    them NaN where no record lands)."""
+    return {c: np.empty((n_steps, n_ranks), dtype=np.float64 if c in FLOAT64_COLUMNS else np.float32, order="F")
+            for c in VALUE_COLUMNS}  # fmt: skip
 
 
 class _Blanks:
@@ -294,7 +290,7 @@ def fill(
     ranks, and rows written after the scan, are left out). NaN where a rank has no record. With
     ``units``, the ``work_unit`` of the rows kept is counted into it (``steplog.count_units``) in the same read."""
     steps = step_plan.steps
-    out = empty_values(len(steps), len(ranks), blank=False)
+    out = empty_values(len(steps), len(ranks))
     blanks = _Blanks(out)
     known = np.array(sorted(step_plan.offsets), dtype=np.int64)
     shift = np.array([step_plan.offsets[k] for k in known], dtype=np.int64)
