@@ -4,6 +4,7 @@ taking every k-th step across the parts' edges."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -180,18 +181,25 @@ def test_the_sorted_median_is_bottlenecks_bit_for_bit(monkeypatch, dtype: type, 
     monkeypatch.setattr(rounds, "SORT_CELLS", cells)  # 500: the lanes sorted a few at a time
 
     rng = np.random.default_rng(7)
-    for shape in ((1, 1), (1, 6), (6, 1), (2, 2), (9, 4), (10, 7), (301, 64), (64, 301)):
+    shapes = ((1, 1), (1, 6), (6, 1), (2, 2), (9, 4), (10, 7), (301, 64), (64, 301))
+    # gaps: lanes of many counts of finite values (sorted), of one or of a few (selected count by count)
+    for shape, gaps in itertools.product(shapes, ("scattered", "none", "whole rows")):
         a = rng.lognormal(size=shape).astype(dtype) * dtype(0.01)
-        a[rng.random(shape) < 0.2] = np.nan  # lanes of odd and even counts of finite values
+        if gaps == "scattered":
+            a[rng.random(shape) < 0.2] = np.nan  # lanes of odd and even counts of finite values
+        elif gaps == "whole rows" and shape[0] > 4:
+            a[3:5, :] = np.nan  # every column two short, and below, one column three short
+            a[5, 2 % shape[1]] = np.nan
         a[rng.random(shape) < 0.05] = a.flat[0]  # ties
         if shape[0] > 2:
-            a[0, :] = np.nan  # a lane (row) with none
+            if gaps != "none":
+                a[0, :] = np.nan  # a lane (row) with none
             a[1, 0], a[2, 0] = np.inf, -np.inf
-        if shape[1] > 2:
+        if shape[1] > 2 and gaps != "none":
             a[:, 1] = np.nan  # a column with none
         for order in ("C", "F"):
             x = np.asarray(a, order=order)
             for axis in (0, 1):
                 got, want = sorted_nanmedian(x, axis), bn.nanmedian(x, axis=axis)
-                assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True), (shape, order, axis)
-            assert np.array_equal(x, a, equal_nan=True), "the input is left as it was (a copy is sorted)"
+                assert got.dtype == want.dtype and np.array_equal(got, want, equal_nan=True), (shape, gaps, order, axis)
+                assert np.array_equal(x, a, equal_nan=True), "the input is left as it was (a copy is sorted)"
