@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
-from stragglerwatch.analysis.live import LiveRun
+from stragglerwatch.analysis.live import LiveRun, distinct
 from stragglerwatch.analysis.report import analyze_run
 from stragglerwatch.record.simulate import GrowingRun, Injection, SimConfig
 
@@ -278,3 +279,13 @@ def test_a_run_between_two_flushes_is_not_analysed_whole(tmp_path):
         time.sleep(0.1)
     assert live.exact and _same(live, tmp_path / "run")
     assert time.monotonic() - quiet >= 1.0 - 0.5  # not before settle_after_s (less the 0.5 s already quiet)
+
+
+def test_distinct_values_are_numpys_whatever_their_spread() -> None:
+    rng = np.random.default_rng(3)
+    cases = [np.zeros(0, dtype=np.int64), np.array([7]), np.arange(5, 105).repeat(40),  # one batch of steps
+             rng.integers(-50, 50, 1000), np.array([0, 2**40, 5]),  # a range too wide for slots: sorted
+             rng.integers(0, 4096, 5000).astype(np.int32)]  # fmt: skip
+    for x in cases:
+        got, want = distinct(x), np.unique(x)
+        assert got.dtype == want.dtype and np.array_equal(got, want), x[:5]

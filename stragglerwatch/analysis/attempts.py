@@ -68,9 +68,11 @@ def new_world(before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]
     return False
 
 
-def worlds(attempts: list[dict[str, Any]], rank_meta: Mapping[int, Mapping[str, Any]]) -> list[int]:
-    """The world of each attempt: 0 for the first, one more at each attempt that is a new world."""
-    m = members(attempts, rank_meta)
+def worlds(attempts: list[dict[str, Any]], rank_meta: Mapping[int, Mapping[str, Any]],
+           m: list[dict[int, dict[str, Any]]] | None = None) -> list[int]:  # fmt: skip
+    """The world of each attempt: 0 for the first, one more at each attempt that is a new world (``m``: the
+    attempts' :func:`members`, where known)."""
+    m = members(attempts, rank_meta) if m is None else m
     out: list[int] = []
     for i in range(len(attempts)):
         out.append(0 if i == 0 else out[-1] + int(new_world(m[i - 1], m[i])))
@@ -169,7 +171,7 @@ def describe(attempts: list[dict[str, Any]], rank_meta: Mapping[int, Mapping[str
     last step there (the run's numbering); ``step_seconds``/``step_lost``: per step of ``steps``, the job's
     time and the time lost to stragglers, jitter and unequal groups (``detect.Verdict``)."""
     m = members(attempts, rank_meta)
-    w = worlds(attempts, rank_meta)
+    w = worlds(attempts, rank_meta, m)
     all_names = [_node_names(mm, m) for mm in m]
     out = []
     for i, a in enumerate(attempts):

@@ -120,6 +120,7 @@ class _File:
     mtime: int = -1
     schema: pa.Schema | None = None  # an Arrow stream's, and where its next batch starts
     offset: int = 0
+    schema_key: str = ""  # the schema as text, without metadata: the streams written by the same schema share it
 
 
 def changed(files: Iterable[Path], seen: dict[str, _File]) -> Iterator[tuple[Path, _File, os.stat_result]]:
@@ -332,7 +333,7 @@ class LiveRun:
         read = read_changed(files, self.files)
         if read is None:
             raise _Restart
-        tables = self._conform([t for _, t in read])
+        tables = self._conform(read)
         lo: int | None = None
         if tables:
             found = np.unique(np.concatenate([t["rank"].to_numpy() for t in tables])).astype(np.int64)
@@ -343,19 +344,20 @@ class LiveRun:
             lo = row if lo is None or (row is not None and row < lo) else lo
         return lo
 
-    def _conform(self, tables: list[pa.Table]) -> list[pa.Table]:
+    def _conform(self, read: list[tuple[Path, pa.Table]]) -> list[pa.Table]:
         """The new batches of the streams as this schema's columns: once for all the files written by
-        the same schema (upgrading a small table costs as much as a large one)."""
+        the same schema (upgrading a small table costs as much as a large one), each column in one piece (a
+        column of thousands of files' batches is read as an array many times)."""
         out, groups = [], {}
-        for t in tables:
-            if t.column_names == NAMES:  # read from Parquet: already conformed
+        for f, t in read:
+            if f.suffix == ".parquet":  # read as this schema's columns already
                 out.append(t)
             else:
-                groups.setdefault(t.schema.to_string(show_schema_metadata=False), []).append(t)
+                groups.setdefault(self.files[f.stem].schema_key, []).append(t)
         for group in groups.values():
             t = conform(pa.concat_tables(group), NAMES, self.run_dir, quiet)
             if t is not None:
-                out.append(t)
+                out.append(t.combine_chunks())
         return out
 
     def _add_ranks(self, found: np.ndarray) -> int:
@@ -377,8 +379,9 @@ class LiveRun:
     def _scatter(self, table: pa.Table) -> int | None:
         keys = attempt_keys(table)
         raw = table["step"].to_numpy()
-        for key in np.unique(keys):
-            key, top = int(key), int(raw[keys == key].max())
+        kinds = distinct(keys)
+        for key in kinds:
+            key, top = int(key), int(raw.max() if len(kinds) == 1 else raw[keys == key].max())
             if key not in self.offsets:
                 if self.offsets and key < max(self.offsets):
                     raise _Restart
@@ -389,18 +392,22 @@ class LiveRun:
                 if key != max(self.offsets):  # an earlier attempt grew: the later ones move
                     raise _Restart
                 self.last[key] = top
-        shift = np.array([self.offsets[int(k)] for k in np.unique(keys)])
-        step = raw + shift[np.searchsorted(np.unique(keys), keys)]
+        shift = np.array([self.offsets[int(k)] for k in kinds])
+        step = raw + (shift[0] if len(kinds) == 1 else shift[np.searchsorted(kinds, keys)])
         rank = table["rank"].to_numpy()
-        for k in np.unique(keys):
-            sel = keys == k
-            ranks, at = np.unique(rank[sel], return_inverse=True)
-            top_of = np.full(len(ranks), np.iinfo(np.int64).min, dtype=np.int64)
+        for k in kinds:
+            sel = slice(None) if len(kinds) == 1 else keys == k
+            lowest = int(rank[sel].min())
+            at = rank[sel] - lowest  # ranks are small integers: each its own slot
+            top_of = np.full(int(at.max()) + 1, np.iinfo(np.int64).min, dtype=np.int64)
             np.maximum.at(top_of, at, step[sel])  # each rank's last step in the batch, in one pass
             own = self.last_own.setdefault(int(k), {})
-            for r, s in zip(ranks.tolist(), top_of.tolist(), strict=True):
+            present = np.flatnonzero(top_of > np.iinfo(np.int64).min)
+            for r, s in zip((present + lowest).tolist(), top_of[present].tolist(), strict=True):
                 own[r] = max(own.get(r, -1), s)
-        new = np.unique(step[~np.isin(step, self.steps)])
+        at_known = np.minimum(np.searchsorted(self.steps, step), max(len(self.steps) - 1, 0))
+        known_step = (self.steps[at_known] == step) if len(self.steps) else np.zeros(len(step), dtype=bool)
+        new = distinct(step[~known_step])
         if new.size and self.steps.size and new[0] < self.steps[-1]:
             raise _Restart  # a step inside the known range: its row does not exist
         known = len(self.steps)  # rows before the new steps'
@@ -726,6 +733,17 @@ def _uneven_rows(values: dict[str, np.ndarray], lo: int) -> bool:
     return imb.uneven({c: values[c][lo:] for c in imb.WORK_COLUMNS if c in values})
 
 
+def distinct(x: np.ndarray) -> np.ndarray:
+    """The sorted distinct values of an integer array: counted in slots where they span a range not much wider
+    than the array (steps, attempts: the usual batch), else sorted."""
+    if not x.size:
+        return np.unique(x)
+    lo, hi = int(x.min()), int(x.max())
+    if hi - lo > 4 * x.size + 1024:
+        return np.unique(x)
+    return (np.flatnonzero(np.bincount(x - lo, minlength=hi - lo + 1)) + lo).astype(x.dtype, copy=False)
+
+
 def read_new(f: Path, state: _File, problem: Callable[[pa.Schema], str | None]) -> pa.Table | None:
     """The complete record batches of the Arrow stream ``f`` after ``state.offset`` (its schema and offset
     kept in ``state``; a batch being written is read next time); None when there is none, or when the
@@ -742,6 +760,7 @@ def read_new(f: Path, state: _File, problem: Callable[[pa.Schema], str | None]) 
                 if problem(schema):
                     return None
                 state.schema, state.offset = schema, src.tell()
+                state.schema_key = schema.to_string(show_schema_metadata=False)
             src.seek(state.offset)  # after the last complete batch read
             reader = pa.ipc.MessageReader.open_stream(src)
             while True:
