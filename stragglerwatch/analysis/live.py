@@ -744,13 +744,29 @@ def distinct(x: np.ndarray) -> np.ndarray:
     return (np.flatnonzero(np.bincount(x - lo, minlength=hi - lo + 1)) + lo).astype(x.dtype, copy=False)
 
 
+#: New bytes of a stream read at once, below this size (a memory map costs more to set up than a few batches
+#: take to read: 4,096 streams an update); a larger tail (a run opened late) is mapped, not copied.
+READ_AT_ONCE = 1 << 20
+
+
+def _tail(f: Path, offset: int) -> tuple[pa.NativeFile, int]:
+    """The stream ``f`` from ``offset`` on, and where in the file its position 0 lies."""
+    with open(f, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size - offset > READ_AT_ONCE:
+            return pa.memory_map(str(f), "r"), 0
+        fh.seek(offset)
+        return pa.BufferReader(fh.read()), offset
+
+
 def read_new(f: Path, state: _File, problem: Callable[[pa.Schema], str | None]) -> pa.Table | None:
     """The complete record batches of the Arrow stream ``f`` after ``state.offset`` (its schema and offset
     kept in ``state``; a batch being written is read next time); None when there is none, or when the
     stream's schema has a ``problem``."""
     batches = []
     try:
-        with pa.memory_map(str(f), "r") as src:
+        src, base = _tail(f, state.offset if state.schema is not None else 0)
+        with src:
             if state.schema is None:
                 try:
                     message = pa.ipc.MessageReader.open_stream(src).read_next_message()
@@ -759,9 +775,9 @@ def read_new(f: Path, state: _File, problem: Callable[[pa.Schema], str | None]) 
                 schema = pa.ipc.read_schema(message)
                 if problem(schema):
                     return None
-                state.schema, state.offset = schema, src.tell()
+                state.schema, state.offset = schema, base + src.tell()
                 state.schema_key = schema.to_string(show_schema_metadata=False)
-            src.seek(state.offset)  # after the last complete batch read
+            src.seek(state.offset - base)  # after the last complete batch read
             reader = pa.ipc.MessageReader.open_stream(src)
             while True:
                 try:
@@ -772,7 +788,7 @@ def read_new(f: Path, state: _File, problem: Callable[[pa.Schema], str | None]) 
                 except (pa.ArrowException, OSError, EOFError, ValueError):
                     break  # a batch being written: read it next time
                 batches.append(batch)
-                state.offset = src.tell()
+                state.offset = base + src.tell()
     except (pa.ArrowException, OSError, EOFError, ValueError):
         return None
     return pa.Table.from_batches(batches, schema=state.schema) if batches else None

@@ -67,6 +67,9 @@ def _reduce(a: np.ndarray, starts: np.ndarray, axis: int, how: str) -> np.ndarra
     if len(starts) == a.shape[axis]:
         return a
     if axis == 0:  # one reduction per bin of contiguous rows: ufunc.reduceat across rows is ten times slower
+        # rows laid out one after the other: a bin's rows are added row by row, where in a column-major array
+        # each column of the bin would be a small reduction of its own (the copy costs less than they do)
+        a = np.ascontiguousarray(a)
         ends = np.append(starts[1:], a.shape[0])
         return np.stack([_reduce_rows(a[s:e], how) for s, e in zip(starts, ends, strict=True)])
     with np.errstate(all="ignore"):
