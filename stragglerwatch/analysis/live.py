@@ -381,7 +381,7 @@ class LiveRun:
         raw = table["step"].to_numpy()
         kinds = distinct(keys)
         for key in kinds:
-            key, top = int(key), int(raw.max() if len(kinds) == 1 else raw[keys == key].max())
+            key, top = int(key), int(raw[keys == key].max())
             if key not in self.offsets:
                 if self.offsets and key < max(self.offsets):
                     raise _Restart
@@ -393,10 +393,10 @@ class LiveRun:
                     raise _Restart
                 self.last[key] = top
         shift = np.array([self.offsets[int(k)] for k in kinds])
-        step = raw + (shift[0] if len(kinds) == 1 else shift[np.searchsorted(kinds, keys)])
+        step = raw + shift[np.searchsorted(kinds, keys)]
         rank = table["rank"].to_numpy()
         for k in kinds:
-            sel = slice(None) if len(kinds) == 1 else keys == k
+            sel = keys == k
             lowest = int(rank[sel].min())
             at = rank[sel] - lowest  # ranks are small integers: each its own slot
             top_of = np.full(int(at.max()) + 1, np.iinfo(np.int64).min, dtype=np.int64)
@@ -405,9 +405,7 @@ class LiveRun:
             present = np.flatnonzero(top_of > np.iinfo(np.int64).min)
             for r, s in zip((present + lowest).tolist(), top_of[present].tolist(), strict=True):
                 own[r] = max(own.get(r, -1), s)
-        at_known = np.minimum(np.searchsorted(self.steps, step), max(len(self.steps) - 1, 0))
-        known_step = (self.steps[at_known] == step) if len(self.steps) else np.zeros(len(step), dtype=bool)
-        new = distinct(step[~known_step])
+        new = distinct(step[~np.isin(step, self.steps)])
         if new.size and self.steps.size and new[0] < self.steps[-1]:
             raise _Restart  # a step inside the known range: its row does not exist
         known = len(self.steps)  # rows before the new steps'

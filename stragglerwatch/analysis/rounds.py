@@ -172,7 +172,7 @@ def _lanes_median(x: np.ndarray, axis: int) -> np.ndarray:
     counts = n - np.count_nonzero(np.isnan(lanes), axis=axis)
     kinds = np.unique(counts)
     if len(kinds) > SELECT_COUNTS:
-        return _sorted_median(lanes, axis)
+        return _sorted_median(lanes, axis, counts)
     if len(kinds) == 1:
         return _selected_median(lanes, axis, int(kinds[0]))
     out = np.empty(lanes.shape[1 - axis], dtype=x.dtype)
@@ -199,32 +199,15 @@ def _selected_median(lanes: np.ndarray, axis: int, k: int) -> np.ndarray:
         return (a + b) * lanes.dtype.type(0.5)
 
 
-def _sorted_median(lanes: np.ndarray, axis: int) -> np.ndarray:
-    """The median of each lane of a copy (sorted in place)."""
+def _sorted_median(lanes: np.ndarray, axis: int, counts: np.ndarray) -> np.ndarray:
+    """The median of each lane of a copy (sorted in place, NaN last) holding ``counts`` finite values."""
     lanes.sort(axis=axis)
-    n = lanes.shape[axis]
     at = np.arange(lanes.shape[1 - axis])
-
-    def nth(i: np.ndarray) -> np.ndarray:
-        return lanes[at, i] if axis == 1 else lanes[i, at]
-
-    k = _finite_count(nth, n, len(at))
-    lo, hi = np.maximum(k - 1, 0) // 2, np.minimum(k // 2, max(n - 1, 0))
-    a, b = nth(lo), nth(hi)
+    lo, hi = np.maximum(counts - 1, 0) // 2, np.minimum(counts // 2, max(lanes.shape[axis] - 1, 0))
+    a, b = (lanes[at, lo], lanes[at, hi]) if axis == 1 else (lanes[lo, at], lanes[hi, at])
     with np.errstate(invalid="ignore", over="ignore"):
         mid = np.where(lo == hi, a, (a + b) * lanes.dtype.type(0.5))
-    return np.where(k > 0, mid, np.nan).astype(lanes.dtype, copy=False)
-
-
-def _finite_count(nth: Callable[[np.ndarray], np.ndarray], n: int, lanes: int) -> np.ndarray:
-    """Per sorted lane of ``n`` values (NaN last; ``nth(i)``: each lane's ``i[lane]``-th), how many are not NaN: a
-    binary search in every lane at once (a pass over the lanes costs as much as sorting them)."""
-    lo, hi = np.zeros(lanes, dtype=np.int64), np.full(lanes, n, dtype=np.int64)  # the first NaN lies in [lo, hi]
-    while (lo < hi).any():
-        mid = (lo + hi) // 2
-        nan = np.isnan(nth(np.minimum(mid, n - 1)))
-        lo, hi = np.where(nan | (lo >= hi), lo, mid + 1), np.where(nan & (lo < hi), mid, hi)
-    return lo
+    return np.where(counts > 0, mid, np.nan).astype(lanes.dtype, copy=False)
 
 
 def nanvar_cols(x: np.ndarray) -> np.ndarray:

@@ -37,14 +37,16 @@ CAUSES = {
 }
 
 
-#: numpy sorts floats with vector instructions (AVX2, AVX-512) from 2.0 on: sorting then beats bottleneck's selection.
+#: numpy sorts and selects floats with vector instructions (AVX2, AVX-512) from 2.0 on: then faster than bottleneck's
+#: selection.
 SIMD_SORT = np.lib.NumpyVersion(np.__version__) >= "2.0.0"
 
 
 def nanmedian(a: np.ndarray, axis: int) -> np.ndarray:
     """The median of the finite values along ``axis`` (NaN where there are none), without numpy's warnings: of
-    a 2-D float array by sorting (:func:`~stragglerwatch.analysis.rounds.sorted_nanmedian`, the same bits) where
-    numpy sorts with vector instructions, else bottleneck's selection, several times faster than numpy's median."""
+    a 2-D float array by numpy's selection or sort (:func:`~stragglerwatch.analysis.rounds.sorted_nanmedian`, the
+    same bits) where numpy runs them with vector instructions, else bottleneck's selection, several times faster
+    than numpy's median."""
     if a.size == 0:
         return np.full(a.shape[1 - axis] if a.ndim == 2 else 0, np.nan)
     if a.ndim == 2:  # large ones in threads, a chunk of the rows (or columns) each
