@@ -4,12 +4,14 @@ run, and once the run stops growing it is exactly ``analyze``'s."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
-from stragglerwatch.analysis.live import LiveRun, distinct
+from stragglerwatch.analysis.live import LiveRun, distinct, room
 from stragglerwatch.analysis.report import analyze_run
 from stragglerwatch.record.simulate import GrowingRun, Injection, SimConfig
 
@@ -289,3 +291,23 @@ def test_distinct_values_are_numpys_whatever_their_spread() -> None:
     for x in cases:
         got, want = distinct(x), np.unique(x)
         assert got.dtype == want.dtype and np.array_equal(got, want), x[:5]
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="resident memory read from /proc")
+def test_the_room_for_more_steps_costs_no_memory_until_written() -> None:
+    # a followed run's arrays are column-major with room for thousands more steps: the room of every column
+    # lies between the used rows of the next, so it must stay unbacked (numpy's huge pages would back it)
+    before = _resident_mib()
+    arr = room((16384, 4096), np.float64)  # 512 MiB of room
+    assert arr.shape == (16384, 4096) and arr.dtype == np.float64 and arr.flags.f_contiguous and arr.flags.writeable
+    arr[:100] = 1.5  # the first hundred steps of every rank
+    grown = _resident_mib() - before
+    assert grown < 64, f"{grown:.0f} MiB resident for 3.2 MiB written"
+    assert float(arr[:100].sum()) == 1.5 * 100 * 4096
+    small = room((10, 3), np.float32)  # a small array is numpy's own
+    assert small.shape == (10, 3) and small.flags.f_contiguous and room((5,), bool).shape == (5,)

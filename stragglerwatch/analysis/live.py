@@ -31,7 +31,9 @@ and detection moves on from where it was instead of starting over.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import mmap
 import os
 import threading
 import time
@@ -102,10 +104,11 @@ from stragglerwatch.record.collectives import CollectiveReader
 from stragglerwatch.record.context import load_context
 from stragglerwatch.record.rundir import read_rank_meta
 from stragglerwatch.record.schema import GAP_COLUMNS, schema_compatible
-from stragglerwatch.record.steplog import RunDirWarning, conform, read_log, run_files, work_unit
+from stragglerwatch.record.steplog import RunDirWarning, conform, log_names, read_log, work_unit
 
 SCALAR_RANKS = 256  # ranks the followed run's scalars are estimated from
 RESERVE = 16384  # steps of room the arrays are made with
+SMALL_PAGES_FROM = 1 << 22  # bytes: a larger array with room is mapped in small pages (``room``)
 OTHER_SUFFIXES = (".jsonl", ".json", ".txt")  # the files besides the logs a report reads (``LiveRun._others``)
 NAMES = [*ID_COLUMNS, *VALUE_COLUMNS]
 
@@ -123,32 +126,60 @@ class _File:
     schema_key: str = ""  # the schema as text, without metadata: the streams written by the same schema share it
 
 
-def changed(files: Iterable[Path], seen: dict[str, _File]) -> Iterator[tuple[Path, _File, os.stat_result]]:
-    """The files among ``files`` whose size or modification time differ from what ``seen`` recorded, with
-    their state there (the caller reads them, then records ``size`` and ``mtime``)."""
+def changed(files: Iterable[str | os.PathLike[str]], seen: dict[str, _File]
+            ) -> Iterator[tuple[str | os.PathLike[str], _File, os.stat_result]]:  # fmt: skip
+    """The files among ``files`` whose size or modification time differ from what ``seen`` recorded (by
+    :func:`stem`), with their state there (the caller reads them, then records ``size`` and ``mtime``)."""
     for f in files:
         try:
-            st = f.stat()
+            st = os.stat(f)
         except OSError:
             continue
-        state = seen.setdefault(f.stem, _File())
+        state = seen.setdefault(stem(f), _File())
         if (st.st_size, st.st_mtime_ns) != (state.size, state.mtime):
             yield f, state, st
 
 
-def read_changed(files: Iterable[Path], seen: dict[str, _File]) -> list[tuple[Path, pa.Table]] | None:
+def stem(f: str | os.PathLike[str]) -> str:
+    """A log's name without its suffix: the key of its state (thousands of files an update: no ``Path``)."""
+    return os.path.splitext(os.path.basename(f))[0]
+
+
+def is_parquet(f: str | os.PathLike[str]) -> bool:
+    return os.fspath(f).endswith(".parquet")
+
+
+def read_changed(files: Iterable[str | os.PathLike[str]], seen: dict[str, _File]
+                 ) -> list[tuple[str | os.PathLike[str], pa.Table]] | None:  # fmt: skip
     """The new batches of the step logs among ``files`` that changed since ``seen`` recorded them: a Parquet
     log whole, as this schema's columns; a stream from where the last read stopped, as written (the caller
     conforms it). None where a stream shrank (rewritten: read the run again)."""
     out = []
     for f, state, st in changed(files, seen):
-        if f.suffix == ".arrows" and st.st_size < state.size:
+        parquet = is_parquet(f)
+        if not parquet and st.st_size < state.size:
             return None
-        table = read_log(f, NAMES, quiet) if f.suffix == ".parquet" else read_new(f, state, schema_compatible)
+        table = read_log(Path(f), NAMES, quiet) if parquet else read_new(f, state, schema_compatible, st.st_size)
         state.size, state.mtime = st.st_size, st.st_mtime_ns
         if table is not None:
             out.append((f, table))
     return out
+
+
+def room(shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
+    """An unwritten array, column-major (C order for one dimension), whose memory the system gives page by page
+    as it is first written, in small pages: a column-major array with room for more steps has the room of each
+    column between the used rows of the next ones, and a huge page (numpy asks for them for large arrays)
+    would make the room of a dozen columns resident at the first write of each. A small array: ``np.empty``."""
+    order = "F" if len(shape) > 1 else "C"
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if size < SMALL_PAGES_FROM or not hasattr(mmap, "MAP_PRIVATE"):
+        return np.empty(shape, dtype=dtype, order=order)
+    anonymous = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # where the system gives huge pages unasked (transparent huge pages)
+        with contextlib.suppress(OSError):
+            anonymous.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(anonymous, dtype=dtype).reshape(shape, order=order)
 
 
 @dataclass
@@ -167,7 +198,7 @@ class _Rows:
             # and each growth copies what is there (about a second per GB)
             new_cap = max(n + RESERVE, 4 * cap)
             for name, (tail, dtype, _) in shapes.items():
-                arr = np.empty((new_cap, *tail), dtype=dtype, order="F" if len(tail) else "C")
+                arr = room((new_cap, *tail), dtype)
                 if name in self.arrays:
                     arr[: self.n] = self.arrays[name][: self.n]
                 self.arrays[name] = arr
@@ -327,10 +358,11 @@ class LiveRun:
     def _ingest(self) -> int | None:
         """Read new batches; the first row whose values changed, or None."""
         try:
-            _, _, files = run_files(self.run_dir)
-        except Exception:  # noqa: BLE001 - not a run dir yet: nothing to read
+            names = log_names(self.run_dir)
+        except OSError:  # not a run dir yet: nothing to read
             return None
-        read = read_changed(files, self.files)
+        folder = os.fspath(self.run_dir)
+        read = read_changed([os.path.join(folder, name) for name in names], self.files)
         if read is None:
             raise _Restart
         tables = self._conform(read)
@@ -344,16 +376,16 @@ class LiveRun:
             lo = row if lo is None or (row is not None and row < lo) else lo
         return lo
 
-    def _conform(self, read: list[tuple[Path, pa.Table]]) -> list[pa.Table]:
+    def _conform(self, read: list[tuple[str | os.PathLike[str], pa.Table]]) -> list[pa.Table]:
         """The new batches of the streams as this schema's columns: once for all the files written by
         the same schema (upgrading a small table costs as much as a large one), each column in one piece (a
         column of thousands of files' batches is read as an array many times)."""
         out, groups = [], {}
         for f, t in read:
-            if f.suffix == ".parquet":  # read as this schema's columns already
+            if is_parquet(f):  # read as this schema's columns already
                 out.append(t)
             else:
-                groups.setdefault(self.files[f.stem].schema_key, []).append(t)
+                groups.setdefault(self.files[stem(f)].schema_key, []).append(t)
         for group in groups.values():
             t = conform(pa.concat_tables(group), NAMES, self.run_dir, quiet)
             if t is not None:
@@ -365,9 +397,11 @@ class LiveRun:
         detection starts over."""
         ranks = np.union1d(self.ranks, found)
         where = np.searchsorted(ranks, self.ranks)
+        n = self.data.n
         for col, arr in self.data.arrays.items():
-            grown = np.full((arr.shape[0], len(ranks)), np.nan, dtype=arr.dtype, order="F")
-            grown[:, where] = arr
+            grown = room((arr.shape[0], len(ranks)), arr.dtype)
+            grown[:n] = np.nan
+            grown[:n, where] = arr[:n]
             self.data.arrays[col] = grown
         self.ranks = ranks
         self.det, self.blocks, self.sc, self.sc_steps, self.never = _Rows(), _Rows(), None, 0, None
@@ -416,9 +450,13 @@ class LiveRun:
         si = np.searchsorted(self.steps, step)
         ri = np.searchsorted(self.ranks, rank)
         if si.size and si.min() >= known:  # only new steps (as a job writes): every cell is new, nothing to compare
+            at = ri * self.data.arrays[VALUE_COLUMNS[0]].shape[0] + si  # the cells in a column-major array
             for col in VALUE_COLUMNS:
-                arr = self.data.arrays[col]
-                arr[si, ri] = table[col].to_numpy().astype(arr.dtype, copy=False)
+                arr, value = self.data.arrays[col], table[col].to_numpy()
+                if arr.flags.f_contiguous:  # one index for every column (a 2-D index is made again each time)
+                    arr.ravel(order="F")[at] = value
+                else:
+                    arr[si, ri] = value
             return int(si.min())
         first = None
         for col in VALUE_COLUMNS:
@@ -747,23 +785,27 @@ def distinct(x: np.ndarray) -> np.ndarray:
 READ_AT_ONCE = 1 << 20
 
 
-def _tail(f: Path, offset: int) -> tuple[pa.NativeFile, int]:
-    """The stream ``f`` from ``offset`` on, and where in the file its position 0 lies."""
-    with open(f, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size - offset > READ_AT_ONCE:
-            return pa.memory_map(str(f), "r"), 0
-        fh.seek(offset)
-        return pa.BufferReader(fh.read()), offset
+def _tail(f: str | os.PathLike[str], offset: int, size: int) -> tuple[pa.NativeFile, int]:
+    """The stream ``f`` (``size`` bytes when last seen) from ``offset`` on, and where in the file its position
+    0 lies."""
+    if size - offset > READ_AT_ONCE:
+        return pa.memory_map(os.fspath(f), "r"), 0
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        return pa.BufferReader(os.pread(fd, max(0, size - offset), offset)), offset
+    finally:
+        os.close(fd)
 
 
-def read_new(f: Path, state: _File, problem: Callable[[pa.Schema], str | None]) -> pa.Table | None:
+def read_new(f: str | os.PathLike[str], state: _File, problem: Callable[[pa.Schema], str | None],
+             size: int | None = None) -> pa.Table | None:  # fmt: skip
     """The complete record batches of the Arrow stream ``f`` after ``state.offset`` (its schema and offset
-    kept in ``state``; a batch being written is read next time); None when there is none, or when the
-    stream's schema has a ``problem``."""
+    kept in ``state``; a batch being written is read next time), up to ``size`` bytes (default: its size
+    now); None when there is none, or when the stream's schema has a ``problem``."""
     batches = []
     try:
-        src, base = _tail(f, state.offset if state.schema is not None else 0)
+        size = os.stat(f).st_size if size is None else size
+        src, base = _tail(f, state.offset if state.schema is not None else 0, size)
         with src:
             if state.schema is None:
                 try:

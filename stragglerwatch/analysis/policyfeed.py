@@ -39,7 +39,7 @@ import pyarrow.compute as pc
 
 from stragglerwatch._quiet import ignoring
 from stragglerwatch.analysis.detect import StepMatrix, detect
-from stragglerwatch.analysis.live import NAMES, _File, changed, quiet, read_changed, read_new
+from stragglerwatch.analysis.live import NAMES, _File, changed, is_parquet, quiet, read_changed, read_new
 from stragglerwatch.analysis.policy import START_SKIP, START_STEPS, start_profile, view
 from stragglerwatch.analysis.report import RankFigures, analyze_run, arrival_check, build_report, step_times
 from stragglerwatch.analysis.reportschema import Attempt
@@ -135,7 +135,7 @@ class WindowRun:
             raise _Reset
         tables = []
         for f, raw in read:
-            table = raw if f.suffix == ".parquet" else conform(raw, NAMES, f, quiet)
+            table = raw if is_parquet(f) else conform(raw, NAMES, f, quiet)
             if table is not None and table.num_rows:
                 kept = self._keep(table)
                 if kept is not None:
@@ -240,7 +240,7 @@ class WindowRun:
         """The context samples from ``since`` (Unix seconds) on, read incrementally."""
         tables = [self.context.filter(pc.greater_equal(self.context["time"], since))] if self.context else []
         for f, state, st in changed(context_files(self.run_dir), self.ctx_files):
-            table = read_file(f) if f.suffix == ".parquet" else read_new(f, state, schema_problem)
+            table = read_file(f) if is_parquet(f) else read_new(f, state, schema_problem, st.st_size)
             state.size, state.mtime = st.st_size, st.st_mtime_ns
             table = as_schema(table, f) if table is not None and table.num_rows else None
             if table is not None:
