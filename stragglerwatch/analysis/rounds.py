@@ -51,6 +51,9 @@ def thinned(values: Values, rows: slice, every: int) -> tuple[Values, slice]:
 
 #: A round on at least this many cells runs on slices in threads (:class:`Whole`).
 ROUND_CELLS = 1 << 18
+#: Cells of a slice of a round cut for threads, about (1 MB of float64: a temporary stays in the caches); and the
+#: rows (or columns) of a slice at least (each slice costs a call of the round's numpy operations).
+SLICE_CELLS, SLICE_MIN = 1 << 17, 16
 
 
 @dataclass
@@ -76,14 +79,14 @@ class Whole:
         parts = slices(rows.stop, cols.stop, self.threads)
         if len(parts) == 1:
             return [fn(self.values, rows, cols, *args)]
-        return on_threads([lambda p=p: fn(self._cut(0, p), p, cols, *args) for p in parts])
+        return on_threads([lambda p=p: fn(self._cut(0, p), p, cols, *args) for p in parts], self.threads)
 
     def by_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         rows, cols = self._all()
         parts = slices(cols.stop, rows.stop, self.threads)
         if len(parts) == 1:
             return [fn(self.values, rows, cols, *args)]
-        return on_threads([lambda p=p: fn(self._cut(1, p), rows, p, *args) for p in parts])
+        return on_threads([lambda p=p: fn(self._cut(1, p), rows, p, *args) for p in parts], self.threads)
 
     def thin(self, every: int, columns: tuple[str, ...] = ()) -> Whole:
         if every == 1:
@@ -236,21 +239,24 @@ def workers() -> int:
 
 
 def slices(n: int, other: int, threads: int = 0) -> list[slice]:
-    """``n`` rows (or columns) of ``other`` each as one slice per thread where they are at least
-    :data:`ROUND_CELLS` cells (``threads`` at most; 0: :func:`workers`), else one slice."""
+    """``n`` rows (or columns) of ``other`` each, cut where they are at least :data:`ROUND_CELLS` cells into slices
+    of about :data:`SLICE_CELLS` cells (at least :data:`SLICE_MIN` rows each, and one per thread at least:
+    ``threads``, 0: :func:`workers`), else one slice. A round's temporaries then stay in the caches: on a slice of
+    the run per thread they were tens of MB each, written out to memory and mapped anew every time."""
     k = threads or workers()
-    if k < 2 or n * other < ROUND_CELLS or n < 2 * k:
+    if n * other < ROUND_CELLS or n < 2 * k:
         return [slice(0, n)]
-    edges = np.linspace(0, n, k + 1).astype(int)
+    count = max(k, min(n // SLICE_MIN, -(-n * other // SLICE_CELLS)))
+    edges = np.linspace(0, n, count + 1).astype(int)
     return [slice(int(a), int(b)) for a, b in zip(edges, edges[1:], strict=False)]
 
 
-def on_threads(calls: list[Callable[[], Any]]) -> list[Any]:
-    """The calls' results, in order, each call on a thread of its own (one: here). numpy's runtime warnings (an
-    empty slice's mean) are not shown meanwhile, as a round on the whole would not show them."""
+def on_threads(calls: list[Callable[[], Any]], threads: int = 0) -> list[Any]:
+    """The calls' results, in order, on ``threads`` threads (0: :func:`workers`; one call: here). numpy's runtime
+    warnings (an empty slice's mean) are not shown meanwhile, as a round on the whole would not show them."""
     if len(calls) == 1:
         return [calls[0]()]
-    with ignoring(), ThreadPoolExecutor(len(calls)) as pool:
+    with ignoring(), ThreadPoolExecutor(min(len(calls), threads or workers())) as pool:
         return [f.result() for f in [pool.submit(call) for call in calls]]
 
 
