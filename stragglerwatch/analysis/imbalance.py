@@ -40,15 +40,14 @@ import numpy as np
 from stragglerwatch._quiet import ignoring
 from stragglerwatch.analysis import workfit
 from stragglerwatch.analysis.rounds import (
-    PARALLEL_CELLS,
     Rounds,
     Whole,
     joined,
     nanmean_rows,
     on_threads,
     rowsum,
+    slices,
     thinned,
-    workers,
 )
 from stragglerwatch.analysis.stages import Groups, nanmedian
 from stragglerwatch.analysis.workfit import ADJUSTED, fit_every
@@ -236,23 +235,34 @@ def adjust(values: dict[str, np.ndarray], model: WorkModel, groups: Groups, rows
     column as it would be for the step's median work. ``before``: another model and what it adjusted the same
     ``values`` to; a column whose healthy slopes are the same in both is taken from it as it is."""
     gidx = groups.index[cols]
+    ref = model.ref[rows]  # per step and group
     one = len(groups.members) == 1  # one group: its reference is one column, taken as it is
-    dw = np.nan_to_num(values["work"] - model.ref[rows][:, slice(0, 1) if one else gidx], copy=False)
     out = dict(values)
     same_ref = before is not None and (before[0].ref is model.ref or np.array_equal(before[0].ref, model.ref))
-
-    def one(c: str) -> np.ndarray:
+    todo = []
+    for c in ADJUSTED:
         if same_ref and np.array_equal(before[0].healthy[c], model.healthy[c]):  # type: ignore[index]
-            return before[1][c]  # type: ignore[index]
-        col = model.healthy[c][gidx][None, :] * dw
-        np.subtract(values[c], col, out=col, dtype=np.float64)  # in float64 whatever the column's type
-        return np.maximum(col, 0.0, out=col) if c != "busy_s" else np.where(np.isnan(values[c]), np.nan, col)
+            out[c] = before[1][c]  # type: ignore[index]
+        else:
+            todo.append(c)
+    if not todo:
+        return out
+    n, r = values["work"].shape
+    made = {c: np.empty((n, r), order="F") for c in todo}
 
-    # the columns at once, in threads where they are large (each is its own, element by element)
-    k = min(len(ADJUSTED), workers()) if dw.size >= PARALLEL_CELLS else 1
-    parts = [ADJUSTED[i::k] for i in range(k)]
-    for part, cols in zip(parts, on_threads([lambda part=part: [one(c) for c in part] for part in parts]), strict=True):
-        out.update(zip(part, cols, strict=True))
+    def part(cs: slice) -> None:  # element by element: slices of ranks, each its temporaries in the caches
+        dw = np.nan_to_num(values["work"][:, cs] - ref[:, slice(0, 1) if one else gidx[cs]], copy=False)
+        for c in todo:
+            col = made[c][:, cs]
+            np.multiply(model.healthy[c][gidx[cs]][None, :], dw, out=col)
+            np.subtract(values[c][:, cs], col, out=col, dtype=np.float64)  # in float64 whatever the column's type
+            if c != "busy_s":
+                np.maximum(col, 0.0, out=col)
+            else:
+                col[np.isnan(values[c][:, cs])] = np.nan
+
+    on_threads([lambda cs=cs: part(cs) for cs in slices(r, n)])
+    out.update(made)
     return out
 
 
