@@ -36,7 +36,7 @@ same flags, bit for bit, as :func:`flags` here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 import bottleneck as bn
@@ -159,7 +159,7 @@ def round1(state: BlockState) -> Round1:
     """Each rank's own figures, on slices of the ranks in threads (each rank's are its own)."""
     e = state.e
     parts = on_threads([lambda cs=cs: _round1(e[:, cs]) for cs in slices(e.shape[1], e.shape[0])])
-    out = Round1(*(np.concatenate([getattr(p, f) for p in parts]) for f in Round1.__dataclass_fields__))
+    out = Round1(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Round1)))
     state.center = out.center
     return out
 

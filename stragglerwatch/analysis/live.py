@@ -450,13 +450,10 @@ class LiveRun:
         si = np.searchsorted(self.steps, step)
         ri = np.searchsorted(self.ranks, rank)
         if si.size and si.min() >= known:  # only new steps (as a job writes): every cell is new, nothing to compare
-            at = ri * self.data.arrays[VALUE_COLUMNS[0]].shape[0] + si  # the cells in a column-major array
+            # one index into the column-major arrays (``room``'s) for every column: a 2-D index is made again each time
+            at = ri * self.data.arrays[VALUE_COLUMNS[0]].shape[0] + si
             for col in VALUE_COLUMNS:
-                arr, value = self.data.arrays[col], table[col].to_numpy()
-                if arr.flags.f_contiguous:  # one index for every column (a 2-D index is made again each time)
-                    arr.ravel(order="F")[at] = value
-                else:
-                    arr[si, ri] = value
+                self.data.arrays[col].ravel(order="F")[at] = table[col].to_numpy()
             return int(si.min())
         first = None
         for col in VALUE_COLUMNS:
