@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 import time
 import urllib.parse
 import urllib.request
@@ -85,12 +87,55 @@ def test_dashboard_model_is_well_formed(name: str) -> None:
         assert all(p.get("links") for p in linked)
 
 
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="PROMETHEUS TESTS SKIPPED: install Debian's 'prometheus'")
+def test_stall_annotation_marks_a_stall_between_sparse_samples(tmp_path) -> None:
+    """The stall annotation, evaluated by promtool as a Grafana with the default 15 s scrape interval sets
+    its variables over a short range: a stall is marked when a scrape was missed just before it (no window
+    of ``$__interval`` holds the 0 and the 1) and when the counter's series begins already counting."""
+    annotations = dashboards()["stragglerwatch.json"]["annotations"]["list"]
+    (stalls,) = [a for a in annotations if a["name"] == "Watchdog stalls"]
+    expr = stalls["expr"].replace("$run", "r").replace("$__rate_interval", "1m").replace("$__interval", "15s")
+    assert "$" not in expr, expr
+    name = "stragglerwatch_watchdog_timeouts_total"
+    missed = f'{name}{{run="r",rank="2",phase="data_wait"}}'  # 0 at 0-30 s, no sample at 45 s, 1 from 60 s
+    fresh = f'{name}{{run="r",rank="3",phase="forward"}}'  # first scraped at 45 s, already 1
+    test = {"evaluation_interval": "15s", "tests": [{
+        "interval": "15s",
+        "input_series": [{"series": missed, "values": "0 0 0 _ 1 1 1"}, {"series": fresh, "values": "_ _ _ 1 1 1 1"}],
+        "promql_expr_test": [
+            {"expr": expr, "eval_time": "60s", "exp_samples": [
+                {"labels": '{run="r",rank="2",phase="data_wait"}', "value": 1},
+                {"labels": fresh, "value": 1}]},
+            {"expr": expr, "eval_time": "120s", "exp_samples": []},  # a window after: no stall marked
+        ]}]}  # fmt: skip
+    (tmp_path / "annotation_test.yml").write_text(json.dumps(test))
+    out = subprocess.run(["promtool", "test", "rules", "annotation_test.yml"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
+
+
 def query_range(base: str, expr: str, minutes: float = 3.0) -> list[dict]:
     end = time.time()
     params = urllib.parse.urlencode({"query": expr, "start": end - minutes * 60, "end": end, "step": 1})
     data = json.loads(urllib.request.urlopen(f"{base}/api/v1/query_range?{params}", timeout=10).read())
     assert data["status"] == "success", data
     return data["data"]["result"]
+
+
+def raw_samples(base: str, expr: str, run_id: str) -> str:
+    """For a failure message: the scraped samples of the expression's first series (times and values, each
+    change and the gaps over 3 s), so that a query that found nothing can be told from data that was not there."""
+    name = re.search(r"stragglerwatch_\w+", expr)
+    if name is None:
+        return ""
+    lines = []
+    for s in prom_api(base, f'{name.group(0)}{{run="{run_id}"}}[1h]'):
+        values, kept = s["values"], []
+        for i, (t, v) in enumerate(values):
+            if i == 0 or v != values[i - 1][1] or t - values[i - 1][0] > 3:
+                kept.append(f"{t:.1f}={v}")
+        lines.append(f"{s['metric']}: {len(values)} samples; {' '.join(kept[:40])}")
+    return "\n" + "\n".join(lines)
 
 
 @pytest.mark.distributed
@@ -130,7 +175,7 @@ def check_run_dashboard(base: str, run_id: str, mode: str, started: float) -> No
             # over the job's whole life: an event (the stall's annotation) can be older than any fixed window
             result = prom_api(base, expr) if target.get("instant") else query_range(base, expr, minutes=whole_job)
             result = [s for s in result if s["metric"].get("run", run_id) == run_id]  # the overview's: all runs
-            assert result, f"{mode}: {name}: {where} returned no data: {expr}"
+            assert result, f"{mode}: {name}: {where} returned no data: {expr}{raw_samples(base, expr, run_id)}"
             for label in re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")):
                 assert all(label in s["metric"] for s in result), f"{mode}: {name}: {where} lacks label {label!r}"
     run = dashboards()["stragglerwatch.json"]

@@ -111,11 +111,14 @@ def _annotations() -> dict[str, Any]:
     return {
         "list": [
             {"name": "Watchdog stalls", "datasource": DS, "enable": True, "iconColor": "red",
-             # a stall counted since the last sample; or a counter first seen already counting (its series
-             # begins with the stall, or was first scraped after it): no change to see, a stall all the same
-             "expr": f"changes(stragglerwatch_watchdog_timeouts_total{{{RUN}}}[$__interval]) > 0 or "
+             # a stall counted in the window; or a counter first seen already counting (its series begins
+             # with the stall, or was first scraped after it): no change to see, a stall all the same. The
+             # window is $__rate_interval (at least 4 scrape intervals), never $__interval: that can be
+             # shorter than the gap between two samples (a short time range, 15 s scrapes, a missed scrape),
+             # and a window holding one sample sees no change
+             "expr": f"changes(stragglerwatch_watchdog_timeouts_total{{{RUN}}}[$__rate_interval]) > 0 or "
                      f"(stragglerwatch_watchdog_timeouts_total{{{RUN}}} > 0 unless "
-                     f"stragglerwatch_watchdog_timeouts_total{{{RUN}}} offset $__interval)",
+                     f"stragglerwatch_watchdog_timeouts_total{{{RUN}}} offset $__rate_interval)",
              "titleFormat": "stall", "textFormat": "rank {{rank}} stalled in {{phase}}", "step": "5s"},
             {"name": "Alerts", "datasource": DS, "enable": True, "iconColor": "orange",
              "expr": f'ALERTS{{{RUN}, alertstate="firing"}}',
