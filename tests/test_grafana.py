@@ -5,6 +5,7 @@ work panels included: the real job's ranks count their input elements, the lean 
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -115,8 +116,10 @@ def test_stall_annotation_marks_a_stall_between_sparse_samples(tmp_path) -> None
 
 
 def query_range(base: str, expr: str, minutes: float = 3.0) -> list[dict]:
+    # a whole number of 1 s steps, so that the last point evaluated is now: an event scraped in the last
+    # second (the stall, just before the test found it) lies after the last point of a grid that stops short
     end = time.time()
-    params = urllib.parse.urlencode({"query": expr, "start": end - minutes * 60, "end": end, "step": 1})
+    params = urllib.parse.urlencode({"query": expr, "start": end - math.ceil(minutes * 60), "end": end, "step": 1})
     data = json.loads(urllib.request.urlopen(f"{base}/api/v1/query_range?{params}", timeout=10).read())
     assert data["status"] == "success", data
     return data["data"]["result"]
