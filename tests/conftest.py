@@ -66,6 +66,8 @@ def no_test_writes_into_the_repo():
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """In CI (``STRAGGLERWATCH_REQUIRE_ALL=1``, set by ``.ci/run``) a skipped test fails the run:
     a missing Prometheus or Chromium must not pass as green."""
+    for server in _PREFORK:
+        server.close()
     if os.environ.get("STRAGGLERWATCH_REQUIRE_ALL") != "1":
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -191,13 +193,97 @@ def torchrun(nproc: int, script: Path, *args: str, timeout_s: float = 180, env: 
 
 #: Seconds the other ranks get to finish after one failed, before they are stopped (torchrun stops them).
 RANK_FAILED_GRACE_S = 15.0
+#: Variables a forked rank may set differently from the interpreter it is forked from: read when the job
+#: runs, never when torch is imported (the Flight Recorder's when the first process group is made: a
+#: forked rank's dump holds TORCH_FR_BUFFER_SIZE entries). A job that sets any other starts its ranks afresh.
+FORKABLE = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_WORLD_SIZE", "RANK",
+            "LOCAL_RANK", "ROLE_RANK", "STRAGGLERWATCH_", "TORCH_FR_")  # fmt: skip
+
+
+class Prefork:
+    """``tests/workers/prefork.py``: an interpreter that has imported torch and forks the ranks of
+    :func:`launch`'s jobs, each in milliseconds where a fresh one imports torch for seconds (four ranks on
+    two cores). One for the session, started at its first job and stopped at the session's end."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+        import threading
+
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.lock = threading.Lock()
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers" / "prefork.py")], text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env, cwd=ROOT)  # fmt: skip
+
+    def forks(self, env: dict[str, str]) -> bool:
+        """Whether a rank with ``env`` may be forked (it differs from ours only in :data:`FORKABLE`)."""
+        keys = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        fresh = os.environ.get("STRAGGLERWATCH_TEST_FRESH_RANKS") == "1"  # to tell a fork's artefact from a bug
+        return not fresh and self.proc.poll() is None and all(k.startswith(FORKABLE) for k in keys)
+
+    def ask(self, request: dict) -> dict:
+        with self.lock:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            return json.loads(self.proc.stdout.readline())
+
+    def start(self, script: Path, args: tuple[str, ...], env: dict[str, str], out: str) -> ForkedRank:
+        job = {"script": str(script), "args": list(args), "env": env, "cwd": str(ROOT), "out": out}
+        return ForkedRank(self, self.ask({"run": job})["pid"])
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except Exception:
+            self.proc.kill()
+
+
+class ForkedRank:
+    """A forked rank with what :func:`launch` uses of ``subprocess.Popen``: ``pid``, ``returncode``,
+    ``poll``, ``kill`` and ``wait``."""
+
+    def __init__(self, server: Prefork, pid: int) -> None:
+        self.server, self.pid, self.returncode = server, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.ask({"poll": self.pid})["code"]
+        return self.returncode
+
+    def kill(self) -> None:
+        import signal
+
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.02)
+        return self.returncode
+
+
+_PREFORK: list[Prefork] = []  # the session's, once a job needed it (closed by pytest_sessionfinish)
+
+
+def prefork() -> Prefork:
+    if not _PREFORK or _PREFORK[0].proc.poll() is not None:
+        _PREFORK[:] = [Prefork()]
+    return _PREFORK[0]
 
 
 def launch(nproc: int, script: Path, *args: str, timeout_s: float = 180, env: dict | None = None):
     """Run ``script`` on ``nproc`` CPU ranks started directly, one process each with the variables
     torchrun would set (as ``srun`` or ``mpirun`` start the ranks of many jobs): rank 0 hosts the
     store. Without torchrun's agent a job starts about two seconds sooner (one interpreter and torch
-    import fewer), which the suite's few dozen jobs add up. Fails (never hangs) past ``timeout_s``,
+    import fewer), and the ranks are forked from an interpreter that has imported torch already
+    (:class:`Prefork`; a job whose ``env`` sets more than :data:`FORKABLE` starts them afresh): the
+    suite's few dozen jobs add up. Fails (never hangs) past ``timeout_s``,
     or when a rank fails: the others are stopped after ``RANK_FAILED_GRACE_S``, as torchrun would."""
     import os
     import subprocess
@@ -213,8 +299,12 @@ def launch(nproc: int, script: Path, *args: str, timeout_s: float = 180, env: di
         for rank in range(nproc):
             out = open(os.path.join(logs, f"rank{rank}.txt"), "w+")  # noqa: SIM115 - closed below
             rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
-            procs.append(subprocess.Popen([sys.executable, str(script), *args], stdout=out, stderr=subprocess.STDOUT,
-                                          env=rank_env, cwd=ROOT))  # fmt: skip
+            server = prefork()
+            if server.forks(rank_env):
+                procs.append(server.start(script, args, rank_env, out.name))
+            else:
+                procs.append(subprocess.Popen([sys.executable, str(script), *args], stdout=out,
+                                              stderr=subprocess.STDOUT, env=rank_env, cwd=ROOT))  # fmt: skip
             outs.append(out)
         deadline, failed_at = time.monotonic() + timeout_s, None
         try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import ROOT, check_anatomy, torchrun
+from conftest import ROOT, check_anatomy, launch
 
 import stragglerwatch
 from stragglerwatch.analysis.live import LiveRun
@@ -25,7 +25,7 @@ DELAY = 0.02  # the worker's injected delay per micro-batch
 
 def run_job(tmp_path: Path, framework: str, *args: str, nproc: int = 2, steps: int = 48) -> tuple[Path, pd.DataFrame]:
     run = tmp_path / "run"
-    torchrun(nproc, WORKER, "--framework", framework, "--run-dir", str(run), "--steps", str(steps), *args,
+    launch(nproc, WORKER, "--framework", framework, "--run-dir", str(run), "--steps", str(steps), *args,
              timeout_s=240)  # fmt: skip
     df = stragglerwatch.load_run(run)
     assert set(df["rank"]) == set(range(nproc)), "every rank logged"

@@ -1,5 +1,5 @@
 """Training jobs written the way each framework's documentation teaches, instrumented only as the
-README says. Run under torchrun (2 CPU ranks, gloo).
+README says. Run on 2 CPU ranks (gloo) with the variables torchrun sets (``conftest.launch``).
 
 ``--framework``: ``lightning`` (Trainer, ``strategy="ddp"``, validation, ``self.log(sync_dist=True)``),
 ``hf`` (transformers Trainer with evaluation and logging), ``accelerate`` (``accelerator.prepare``,
