@@ -8,4 +8,7 @@ bash scripts/setup.sh
 echo "test: ruff"
 .venv/bin/ruff check stragglerwatch tests examples benchmarks dashboard docs
 echo "test: pytest"
+# the suite starts a few hundred interpreters (ranks, commands, examples): let them cache the package's
+# bytecode (__pycache__ is ignored by git) instead of compiling it anew in each
+unset PYTHONDONTWRITEBYTECODE
 .venv/bin/python -m pytest "$@"
