@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ROOT, free_ports, wait_for
+from conftest import ROOT, free_ports, prefork, wait_for
 
 import stragglerwatch
 from stragglerwatch import Config, ConfigError
@@ -161,53 +161,44 @@ def test_sigkill_at_random_moments_leaves_readable_files(tmp_path: Path) -> None
     end of training (close's compaction). Every file left is readable, and no step that finished
     longer ago than the flush interval (plus a margin) is lost. The start-up kills hit processes of
     their own (during their imports and attach); the others hit jobs forked from one interpreter that
-    has imported torch already (faults.py's zygote), which start in milliseconds instead of seconds."""
+    has imported torch already (conftest's ``prefork``), which start in milliseconds instead of seconds."""
     rng = random.Random(20261130)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     steps, moments = 600, ["start"] * 3 + ["training"] * 14 + ["end"] * 3
-    zygote = subprocess.Popen([sys.executable, str(FAULTS), "zygote", str(tmp_path)], env=env, text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+    forks = prefork()
     checked = 0
-    try:
-        for i, moment in enumerate(moments):
-            out = tmp_path / f"kill{i}"
-            out.mkdir()
-            progress = out / "progress"
-            job = [str(out), "--steps", str(steps), "--flush", "0.01"]
-            if moment == "start":
-                proc = subprocess.Popen([sys.executable, str(FAULTS), "steps", *job], env=env,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-                time.sleep(rng.uniform(0.2, 1.0))
-            else:
-                zygote.stdin.write("run " + " ".join(job) + "\n")
-                zygote.stdin.flush()
-                pid = int(zygote.stdout.readline())
-                target = rng.randint(5, steps - 50) if moment == "training" else steps - 1
-                wait_for(lambda t=target, f=progress: f.exists() and len(f.read_text().splitlines()) > t, 120,
-                         f"kill {i}: step {target}")  # fmt: skip
-                first_at = float(progress.read_text().split()[1])
-                time.sleep(max(0.0, first_at + MARGIN_S + 0.1 - time.time()))  # some steps older than the margin
-                time.sleep(rng.uniform(0.0, 0.05 if moment == "training" else 0.3))
-            killed_at = time.time()
-            if moment == "start":
-                proc.send_signal(signal.SIGKILL)
-                proc.wait(timeout=30)
-            else:
-                os.kill(pid, signal.SIGKILL)
-                zygote.stdin.write(f"wait {pid}\n")
-                zygote.stdin.flush()
-                assert zygote.stdout.readline().strip() == "reaped"
-            readable(out / "run")
-            lines = [line.split() for line in progress.read_text().splitlines()] if progress.exists() else []
-            old = [int(s) for s, at in (x for x in lines if len(x) == 2) if float(at) < killed_at - MARGIN_S]
-            if old:  # steps older than the flush interval (and a margin) are kept
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    assert stragglerwatch.load_run(out / "run")["step"].max() >= max(old), f"kill {i} ({moment})"
-                checked += 1
-    finally:
-        zygote.stdin.close()
-        zygote.wait(timeout=30)
+    for i, moment in enumerate(moments):
+        out = tmp_path / f"kill{i}"
+        out.mkdir()
+        progress = out / "progress"
+        job = [str(out), "--steps", str(steps), "--flush", "0.01"]
+        if moment == "start":
+            proc = subprocess.Popen([sys.executable, str(FAULTS), "steps", *job], env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            time.sleep(rng.uniform(0.2, 1.0))
+        else:
+            rank = forks.start(FAULTS, ("steps", *job), env, os.devnull)
+            target = rng.randint(5, steps - 50) if moment == "training" else steps - 1
+            wait_for(lambda t=target, f=progress: f.exists() and len(f.read_text().splitlines()) > t, 120,
+                     f"kill {i}: step {target}")  # fmt: skip
+            first_at = float(progress.read_text().split()[1])
+            time.sleep(max(0.0, first_at + MARGIN_S + 0.1 - time.time()))  # some steps older than the margin
+            time.sleep(rng.uniform(0.0, 0.05 if moment == "training" else 0.3))
+        killed_at = time.time()
+        if moment == "start":
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+        else:
+            rank.kill()
+            rank.wait(timeout=30)
+        readable(out / "run")
+        lines = [line.split() for line in progress.read_text().splitlines()] if progress.exists() else []
+        old = [int(s) for s, at in (x for x in lines if len(x) == 2) if float(at) < killed_at - MARGIN_S]
+        if old:  # steps older than the flush interval (and a margin) are kept
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                assert stragglerwatch.load_run(out / "run")["step"].max() >= max(old), f"kill {i} ({moment})"
+            checked += 1
     assert checked == 17, "the data-loss check ran for every kill after start-up"
 
 

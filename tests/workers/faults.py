@@ -9,10 +9,7 @@ attached (as the README says) and writes what the test checks into OUT_DIR:
 - ``restart``: under ``torchrun --max-restarts 1``, rank 1 fails at step 15 of the first attempt;
 - ``steps``: one process, ``--steps`` quick steps with a short flush interval (killed at random
   moments by the test); ``--fsize BYTES`` limits the size of every file it writes (a disk that
-  fills: writes fail with EFBIG); ``--bare`` calls attach() without keeping the handle;
-- ``zygote``: forks ``steps`` jobs from this one interpreter, which has imported torch already, so
-  that each starts in milliseconds (for the test that kills twenty of them). Commands on stdin, one a
-  line: ``run OUT_DIR [options]`` starts one (answers its pid), ``wait PID`` answers once it is reaped.
+  fills: writes fail with EFBIG); ``--bare`` calls attach() without keeping the handle.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ import argparse
 import atexit
 import ctypes
 import os
-import shlex
 import signal
 import sys
 import time
@@ -37,7 +33,7 @@ import stragglerwatch
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("mode", choices=("sigterm", "native", "restart", "steps", "zygote"))
+    p.add_argument("mode", choices=("sigterm", "native", "restart", "steps"))
     p.add_argument("out", type=Path)
     p.add_argument("--handler", choices=("before", "after"), default="after")
     p.add_argument("--steps", type=int, default=30)
@@ -108,33 +104,9 @@ def distributed(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def zygote() -> None:
-    for line in sys.stdin:
-        command, *rest = shlex.split(line)
-        if command == "run":
-            pid = os.fork()
-            if pid == 0:  # the child: a steps job, as if started on its own
-                devnull = os.open(os.devnull, os.O_RDWR)
-                for fd in (0, 1, 2):
-                    os.dup2(devnull, fd)
-                try:
-                    args = parse(["steps", *rest])
-                    args.out.mkdir(parents=True, exist_ok=True)
-                    one_process(args)
-                finally:
-                    os._exit(0)
-            print(pid, flush=True)
-        elif command == "wait":
-            os.waitpid(int(rest[0]), 0)
-            print("reaped", flush=True)
-
-
 def main() -> None:
     args = parse()
     torch.set_num_threads(1)
-    if args.mode == "zygote":
-        zygote()
-        return
     args.out.mkdir(parents=True, exist_ok=True)
     if args.mode == "steps":
         one_process(args)
