@@ -13,8 +13,8 @@ attached; what the test checks goes into OUT_DIR:
   survivors, is ignored, as a handler under torchrun must);
 - ``recover``: rank 1 pauses ``--pause`` seconds at step ``--hang-step``, then goes on;
 - ``straggler``: rank ``--slow-rank`` (none: -1) sleeps ``--delay`` seconds in every forward from step
-  10 (``--contend``: instead, each rank pinned to a CPU of its own, busy processes pinned to its CPU from
-  step 10 take most of it); ``--log-rank0 S``: rank 0 writes a metrics line to ``metrics.jsonl`` after
+  ``--slow-from`` (``--contend``: instead, each rank pinned to a CPU of its own, busy processes pinned to its
+  CPU from that step take most of it); ``--log-rank0 S``: rank 0 writes a metrics line to ``metrics.jsonl`` after
   every optimizer step, a duty of S seconds; rank 0's ``on_straggler`` action appends each verdict to
   ``verdicts.jsonl``.
 
@@ -54,6 +54,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--pause", type=float, default=3.0)
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--delay", type=float, default=0.02)
+    p.add_argument("--slow-from", type=int, default=10, help="the first step of the slow rank's slowness")
     p.add_argument("--contend", action="store_true", help="slow the slow rank by CPU contention, not a sleep")
     p.add_argument("--hidden", type=int, default=64, help="the model's hidden width (more compute per step)")
     p.add_argument("--batch", type=int, default=16)
@@ -81,15 +82,15 @@ def contend(cpu: int, n: int = 4) -> list[subprocess.Popen]:
 
 
 class Slow(nn.Module):
-    """Sleeps ``delay`` seconds in forward from step 10 on (a compute straggler)."""
+    """Sleeps ``delay`` seconds in forward from step ``start`` on (a compute straggler)."""
 
-    def __init__(self) -> None:
+    def __init__(self, start: int = 10) -> None:
         super().__init__()
-        self.delay, self.calls = 0.0, 0
+        self.delay, self.calls, self.start = 0.0, 0, start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        if self.delay and self.calls > 10:
+        if self.delay and self.calls > self.start:
             time.sleep(self.delay)
         return x
 
@@ -104,7 +105,7 @@ def main() -> None:
     if args.contend:  # each rank on a CPU of its own, as a real job binds its ranks
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    slow = Slow()
+    slow = Slow(args.slow_from)
     width = args.hidden
     model = DDP(nn.Sequential(nn.Linear(32, width), nn.ReLU(), slow, nn.Linear(width, width), nn.ReLU(),
                               nn.Linear(width, 4)))  # fmt: skip
@@ -155,7 +156,7 @@ def main() -> None:
     get = watch.data(fetch) if args.stuck == "data" else fetch
     try:
         for step in range(args.steps):
-            if args.contend and rank == args.slow_rank and step == 10:
+            if args.contend and rank == args.slow_rank and step == args.slow_from:
                 spinners = contend(cpus[rank % len(cpus)])
             x = get(step)
             loss = model(x).pow(2).mean()
