@@ -4,7 +4,11 @@ torch takes (four ranks on two cores: several seconds of every job).
 
 A forked rank is a real process that runs its script as ``python SCRIPT ARGS`` would: its own
 environment, working directory, ``sys.argv``, output file on descriptors 1 and 2, ``__main__`` module,
-exit status and interpreter shutdown (``atexit``). Only what this interpreter imported before forking is
+exit status and the first steps of interpreter shutdown (:func:`finish`: the non-daemon threads joined,
+then the ``atexit`` functions, then the standard streams flushed). The rest of the shutdown, freeing every
+module's objects, is skipped: with torch loaded it takes a second or more of CPU per rank (four ranks on
+two cores: two seconds of every job), and it saves nothing that a script or stragglerwatch has not closed
+or flushed itself. Only what this interpreter imported before forking is
 shared, and nothing here reads the environment at import time that a job may set differently:
 ``conftest.launch`` forks only jobs whose environment differs from this one's in variables read when
 the job runs (the ranks' coordinates, stragglerwatch's own), and starts the others afresh.
@@ -17,10 +21,12 @@ gives it (minus the signal that ended it).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
 import sys
+import threading
 
 import numpy
 import torch  # noqa: F401
@@ -52,6 +58,35 @@ def start(job: dict) -> int | None:
     return None
 
 
+def run(script: str) -> int:
+    """Run ``script`` as ``__main__``; its exit status as ``python SCRIPT`` would give it (an uncaught
+    exception printed by ``sys.excepthook``: 1; ``sys.exit(x)``: ``x``, or 1 with ``x`` printed)."""
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return int(stop.code or 0)
+        print(stop.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        return 1
+    return 0
+
+
+def finish(code: int) -> int:
+    """What the interpreter does first when it exits, in its order: wait for the threads that are not
+    daemons, run the ``atexit`` functions, flush the standard streams. ``code`` is returned."""
+    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own join of non-daemon threads
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return code
+
+
 def serve() -> None:
     codes: dict[int, int] = {}
     for line in sys.stdin:
@@ -59,8 +94,7 @@ def serve() -> None:
         if "run" in request:
             pid = start(request["run"])
             if pid is None:  # the rank: leave the loop, run the script, exit as python SCRIPT would
-                runpy.run_path(request["run"]["script"], run_name="__main__")
-                sys.exit(0)
+                os._exit(finish(run(request["run"]["script"])))
             answer: dict = {"pid": pid}
         else:
             pid = int(request["poll"])
