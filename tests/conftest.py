@@ -196,8 +196,9 @@ RANK_FAILED_GRACE_S = 15.0
 #: Variables a forked rank may set differently from the interpreter it is forked from: read when the job
 #: runs, never when torch is imported (the Flight Recorder's when the first process group is made: a
 #: forked rank's dump holds TORCH_FR_BUFFER_SIZE entries). A job that sets any other starts its ranks afresh.
+#: ``PYTEST_CURRENT_TEST``: pytest names the running test in it, so it differs in every test but the first.
 FORKABLE = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_WORLD_SIZE", "RANK",
-            "LOCAL_RANK", "ROLE_RANK", "STRAGGLERWATCH_", "TORCH_FR_")  # fmt: skip
+            "LOCAL_RANK", "ROLE_RANK", "STRAGGLERWATCH_", "TORCH_FR_", "PYTEST_CURRENT_TEST")  # fmt: skip
 
 
 class Prefork:
