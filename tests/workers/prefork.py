@@ -8,8 +8,8 @@ exit status and the first steps of interpreter shutdown (:func:`finish`: the non
 then the ``atexit`` functions, then the standard streams flushed). The rest of the shutdown, freeing every
 module's objects, is skipped: with torch loaded it takes a second or more of CPU per rank (four ranks on
 two cores: two seconds of every job), and it saves nothing that a script or stragglerwatch has not closed
-or flushed itself. Only what this interpreter imported before forking is
-shared, and nothing here reads the environment at import time that a job may set differently:
+or flushed itself. Only what this interpreter imported before forking is shared, and nothing here reads
+the environment at import time that a job may set differently:
 ``conftest.launch`` forks only jobs whose environment differs from this one's in variables read when
 the job runs (the ranks' coordinates, stragglerwatch's own), and starts the others afresh.
 
@@ -74,9 +74,9 @@ def run(script: str) -> int:
     return 0
 
 
-def finish(code: int) -> int:
+def finish() -> None:
     """What the interpreter does first when it exits, in its order: wait for the threads that are not
-    daemons, run the ``atexit`` functions, flush the standard streams. ``code`` is returned."""
+    daemons, run the ``atexit`` functions, flush the standard streams."""
     threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own join of non-daemon threads
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -84,7 +84,6 @@ def finish(code: int) -> int:
             stream.flush()
         except (OSError, ValueError):
             pass
-    return code
 
 
 def serve() -> None:
@@ -94,7 +93,9 @@ def serve() -> None:
         if "run" in request:
             pid = start(request["run"])
             if pid is None:  # the rank: leave the loop, run the script, exit as python SCRIPT would
-                os._exit(finish(run(request["run"]["script"])))
+                code = run(request["run"]["script"])
+                finish()
+                os._exit(code)
             answer: dict = {"pid": pid}
         else:
             pid = int(request["poll"])
