@@ -47,3 +47,29 @@ def test_resuming_from_a_checkpoint_gives_the_same_flags() -> None:
     assert sorted(saved) == list(range(0, len(state.e), 256))
     rest = cons.advance(state, levels, cfg, saved[768].copy(), 768, len(state.e))
     assert np.array_equal(rest, whole[768:])
+
+
+def test_round2_gives_the_same_bits_however_its_ranks_are_sliced(monkeypatch) -> None:
+    """Round 2 runs on slices of a block's ranks in threads, as many as the machine's cores make; its moments and
+    second differences (the alarm levels of every flag) may not depend on where the slices were cut."""
+    from stragglerwatch.analysis import rounds
+
+    cfg = DetectConfig()
+    state, sc0 = _state(0.01, 4)
+    sc = cons.combine1([cons.round1(state)], cfg)
+    monkeypatch.setattr(rounds, "ROUND_CELLS", 1 << 40)
+    assert len(rounds.slices(48, 1500)) == 1
+    one = cons.round2(state, sc, cfg)
+    monkeypatch.setattr(rounds, "ROUND_CELLS", 256)
+    monkeypatch.setattr(rounds, "SLICE_CELLS", 5000)
+    monkeypatch.setattr(rounds, "SLICE_MIN", 1)
+    for threads in (2, 3):
+        monkeypatch.setattr(rounds, "workers", lambda threads=threads: threads)
+        assert len(rounds.slices(48, 1500)) > threads  # slices of 3 ranks
+        many = cons.round2(state, sc, cfg)
+        assert (one.n, one.total, one.squares, one.bar, one.bar_classic) == (
+            many.n, many.total, many.squares, many.bar, many.bar_classic)  # fmt: skip
+        np.testing.assert_array_equal(one.second_w, many.second_w)
+        np.testing.assert_array_equal(one.second_lw, many.second_lw)
+    assert one.n == np.isfinite(state.e - state.level).sum() and one.second_w.size > cons.MIN_SECOND
+    assert cons.combine2([one], sc, cfg) == sc0  # what ``_state`` found with the round in one piece

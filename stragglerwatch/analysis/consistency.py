@@ -51,7 +51,7 @@ from stragglerwatch.analysis.intermittent import (
     block_stats,
     intermittent_flags,
 )
-from stragglerwatch.analysis.rounds import by_columns, on_threads, slices
+from stragglerwatch.analysis.rounds import by_columns, colsum, on_threads, slices
 from stragglerwatch.analysis.stages import nanmedian
 from stragglerwatch.analysis.thresholds import Floors, classic_floors, floors
 
@@ -199,13 +199,14 @@ MIN_SECOND = 32
 
 
 def _second_differences(dev: np.ndarray, block: int) -> np.ndarray:
-    """Each ``block``-step mean's difference from its two neighbours' mean (finite ones, flat)."""
+    """Each ``block``-step mean's difference from its two neighbours' mean (finite ones, flat: rank after rank,
+    so that ranks cut into slices give them in the same order)."""
     n = dev.shape[0] // block
     if n < 3:
         return np.zeros(0)
     with np.errstate(invalid="ignore"), ignoring():  # all-NaN blocks
         means = np.nanmean(dev[: n * block].reshape(n, block, -1), axis=1)
-    second = means[1:-1] - (means[:-2] + means[2:]) / 2.0  # variance 1.5 x a block mean's
+    second = (means[1:-1] - (means[:-2] + means[2:]) / 2.0).T  # variance 1.5 x a block mean's
     return second[np.isfinite(second)]
 
 
@@ -226,22 +227,38 @@ def _long_run_variance(second: np.ndarray, block: int) -> float:
 
 
 def round2(state: BlockState, sc: Scalars, cfg: DetectConfig) -> Round2:
+    """The block's moments of the clipped excess and its block means' second differences, on slices of its
+    ranks in threads (per rank, then summed over the block: no figure depends on where the slices were cut)."""
     cap = sc.cap(cfg)
-    with np.errstate(invalid="ignore"):
-        dev = np.clip(state.e - state.level, -cap, cap)
-        around = np.clip(state.e - state.center, -cap, cap)
-    finite = dev[np.isfinite(dev)]
-    bars = level_bars(state.counted[-1:], sc, cfg) if len(state.e) else np.zeros(0)
-    classic = level_bars(state.counted[-1:], sc.at_classic(), cfg) if len(state.e) else np.zeros(0)
+    e = state.e
+    center = state.center if state.center is not None else np.full(e.shape[1], np.nan)
+    parts = on_threads([lambda cs=cs: _round2(e[:, cs], state.level[:, cs], center[cs], cap, cfg)
+                        for cs in slices(e.shape[1], e.shape[0])])  # fmt: skip
+    n, total, squares, second_w, second_lw = (np.concatenate([p[i] for p in parts]) for i in range(5))
+    bars = level_bars(state.counted[-1:], sc, cfg) if len(e) else np.zeros(0)
+    classic = level_bars(state.counted[-1:], sc.at_classic(), cfg) if len(e) else np.zeros(0)
     return Round2(
-        n=int(finite.size),
-        total=float(np.sum(finite)),
-        squares=float(np.sum(finite**2)),
-        second_w=_second_differences(around, cfg.window),
-        second_lw=_second_differences(around, cfg.level_window),
+        n=int(n.sum()),
+        total=float(np.sum(total)),
+        squares=float(np.sum(squares)),
+        second_w=second_w,
+        second_lw=second_lw,
         bar=float(bars.min()) if bars.size else sc.floors.slowdown,
         bar_classic=float(classic.min()) if classic.size else sc.classic.slowdown,
     )
+
+
+def _round2(e: np.ndarray, level: np.ndarray, center: np.ndarray, cap: float, cfg: DetectConfig
+            ) -> tuple[np.ndarray, ...]:  # fmt: skip
+    """Per rank of a slice: the count, sum and sum of squares of its clipped excess over its level; its second
+    differences."""
+    with np.errstate(invalid="ignore"):
+        dev = np.clip(e - level, -cap, cap)
+        around = np.clip(e - center, -cap, cap)
+    finite = np.isfinite(dev)
+    np.copyto(dev, 0.0, where=~finite)
+    return (finite.sum(axis=0), colsum(dev), colsum(dev * dev), _second_differences(around, cfg.window),
+            _second_differences(around, cfg.level_window))  # fmt: skip
 
 
 def combine2(parts: list[Round2], sc: Scalars, cfg: DetectConfig) -> Scalars:
