@@ -329,12 +329,13 @@ def analyze_run(
     unit = (most_common_unit(units) or "") if recorded(values) else ""
     mat = StepMatrix(plan.ranks, plan.steps, values, work_unit=unit,
                      cuts=world_cuts(plan.attempts, rank_meta))  # fmt: skip
-    times = step_times(mat.steps, start, mat.values["step_s"])
+    when = aside.submit(step_times, mat.steps, start, mat.values["step_s"])  # beside the detection's first stages
     del start
     roles = {r: m["role"] for r, m in rank_meta.items() if m.get("role") is not None}
     with aside:
         verdict = detect(mat, config, groups=roles or None, progress=tick)
         figures = RankFigures.of(mat, verdict, medians[0].result() if medians else None)
+        times = when.result()
     done[0] = max(done[0], total - 2)  # the stages a run without work skips
     tick()
     analysis = finish(path, figures, verdict, rank_meta, times, last_steps(mat), plan, Analysis(None, mat, verdict),
