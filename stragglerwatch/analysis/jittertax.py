@@ -56,7 +56,7 @@ class JitterTax:
 
 
 #: Order statistics whose weight in an expected maximum is below this are left out (their share of it is less).
-NEGLIGIBLE = 1e-18
+NEGLIGIBLE = 1e-12
 
 
 def expected_max(sorted_values: np.ndarray, draws: float) -> float:
