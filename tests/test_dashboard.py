@@ -329,3 +329,35 @@ def test_a_long_run_s_figures_read_a_bounded_sample_of_steps_spread_over_each_bi
     assert np.nanmedian(error) < 0.02 and np.nanpercentile(error, 99) < 0.08, np.nanpercentile(error, [50, 99])
     band = figures.busy_band(mat, verdict)
     assert [t.name for t in band.data][-1] == "rank 9" and len(band.data[-1].y) == figures.MAX_POINTS
+
+
+def test_the_peers_band_of_thousands_of_ranks_is_drawn_from_a_spread_sample(monkeypatch) -> None:
+    """Past ``SAMPLE_RANKS`` ranks, the band around a rank's busy time is drawn from that many ranks spread over
+    the job (never the chosen one; the same ones at every refresh): its lines are the whole job's, within the
+    noise of a sample."""
+    import numpy as np
+
+    from stragglerwatch.analysis.detect import MATRIX_COLUMNS, StepMatrix, detect
+    from stragglerwatch.presentation import figures
+    from stragglerwatch.record.simulate import Injection, SimConfig, simulate_arrays
+
+    peers = figures._peers(3000, [7])
+    assert len(peers) == figures.SAMPLE_RANKS and 7 not in peers and np.all(np.diff(peers) > 0)
+    assert peers[0] == 0 and peers[-1] == 2999 and np.array_equal(peers, figures._peers(3000, [7]))
+    assert np.array_equal(figures._peers(40, [3]), np.delete(np.arange(40), 3)), "a small job: every other rank"
+    cfg = SimConfig(ranks=2000, steps=300, seed=6, offset=0.1, injections=[Injection(7, 0.4, 0)])
+    values = simulate_arrays(cfg)
+    for col in MATRIX_COLUMNS:
+        values.setdefault(col, np.full((cfg.steps, cfg.ranks), np.nan))
+    mat = StepMatrix(np.arange(cfg.ranks), np.arange(cfg.steps), values)
+    verdict = detect(mat)
+    sampled = figures.busy_band(mat, verdict, [7])
+    monkeypatch.setattr(figures, "SAMPLE_RANKS", 10**6)
+    every = figures.busy_band(mat, verdict, [7])
+    assert [t.name for t in sampled.data] == [t.name for t in every.data] == [None, "peers 10-90%", "peers median",
+                                                                              "rank 7"]  # fmt: skip
+    for a, b in zip(sampled.data[:3], every.data[:3], strict=True):  # the 90% line, the 10% line, the median
+        ours, whole = np.array(a.y, dtype=float), np.array(b.y, dtype=float)
+        assert np.median(np.abs(ours / whole - 1.0)) < 0.01 and np.max(np.abs(ours / whole - 1.0)) < 0.03
+    assert np.array_equal(np.array(sampled.data[3].y), np.array(every.data[3].y)), "the rank's own line: every step"
+    assert np.median(np.array(sampled.data[3].y) / np.array(sampled.data[2].y)) > 1.25  # it stands out

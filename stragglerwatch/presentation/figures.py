@@ -3,7 +3,8 @@ the HTML report and the dashboard. Large runs are aggregated here, on the server
 carries more than ``MAX_STEP_COLS`` x ``MAX_RANK_ROWS`` heatmap cells or ``MAX_POINTS`` points a line,
 and none reads more than ``SAMPLE_ROWS`` steps of every rank: a bin of a longer run is the mean of
 steps spread over it (one from each of equal strata), so that a figure costs the same at any length
-of run (the chosen ranks' lines read all of their steps)."""
+of run (the chosen ranks' lines read all of their steps). The peers' band around a rank's busy time is
+drawn from ``SAMPLE_RANKS`` ranks spread over the job at most."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ MAX_POINTS = 1500
 MAX_BARS = 64
 #: Step rows a figure reads at most: past it, the same number of steps spread over each bin (``_sampled``).
 SAMPLE_ROWS = 2048
+#: Ranks the peers' band of a busy time line is drawn from at most: past it, as many spread over the ranks.
+SAMPLE_RANKS = 512
 PHASES = (
     ("data_wait_s", "data wait", "#8c564b"),
     ("forward_s", "forward", "#1f77b4"),
@@ -174,10 +177,9 @@ def busy_band(mat: StepMatrix, verdict: Verdict, ranks: list[int] | None = None)
     busy = {j: mat.values["busy_s"][:, j] * 1000.0 for j in cols}  # the chosen ranks' lines: every step
     # the peers' band of their busy time over each bin of steps (a step when there are few)
     rows, starts = _sampled(n, sb)
-    picked = (lambda a: a) if rows is None else (lambda a: a[rows])
+    peers = _peers(len(mat.ranks), cols)
+    picked = (lambda a: a[:, peers]) if rows is None else (lambda a: a[np.ix_(rows, peers)])
     healthy = np.where(picked(verdict.flags), np.nan, picked(mat.values["busy_s"]) * 1000.0)
-    if cols:
-        healthy[:, cols] = np.nan
     lo, med, hi = _nanquantiles(_reduce(healthy, starts, 0, "mean") if len(sb) else healthy, (0.1, 0.5, 0.9))
     fig = go.Figure()
     fig.add_scatter(x=x, y=hi, line={"width": 0}, showlegend=False, hoverinfo="skip")
@@ -194,6 +196,15 @@ def busy_band(mat: StepMatrix, verdict: Verdict, ranks: list[int] | None = None)
         if top > 3 * typical:
             fig.update_yaxes(range=[0, 1.3 * typical], title="ms (spikes clipped: zoom out)")
     return fig
+
+
+def _peers(n: int, chosen: list[int], most: int = SAMPLE_RANKS) -> np.ndarray:
+    """The columns a band of the peers reads: every one but the ``chosen``, or ``most`` of them spread evenly over
+    the ranks (the same at every refresh)."""
+    others = np.setdiff1d(np.arange(n), chosen)
+    if len(others) <= most:
+        return others
+    return others[np.linspace(0, len(others) - 1, most).round().astype(np.int64)]
 
 
 def empty(text: str) -> go.Figure:
