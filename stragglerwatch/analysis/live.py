@@ -306,7 +306,7 @@ class LiveRun:
         the run's and the ranks' metadata."""
         try:
             with os.scandir(self.run_dir) as found:  # names and stats, without a Path each (thousands an update)
-                entries = [(e.name, e.stat()) for e in found if os.path.splitext(e.name)[1] in OTHER_SUFFIXES]
+                entries = [(e.name, e.stat()) for e in found if e.name.endswith(OTHER_SUFFIXES)]
             return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in entries))
         except OSError:
             return ()

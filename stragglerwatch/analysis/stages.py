@@ -78,9 +78,12 @@ class Groups:
 
     @classmethod
     def of(cls, ranks: np.ndarray, groups: dict[int, str] | None) -> Groups:
-        group_of = [str(groups.get(int(r), "")) if groups else "" for r in ranks]
+        if not groups:  # one group of every rank (a live update asks again for thousands of ranks)
+            return cls([""], [np.arange(len(ranks))], np.zeros(len(ranks), dtype=np.int64))
+        group_of = [str(groups.get(r, "")) for r in np.asarray(ranks).tolist()]
         names = sorted(set(group_of)) or [""]
-        index = np.array([names.index(g) for g in group_of], dtype=np.int64)
+        at = {name: i for i, name in enumerate(names)}
+        index = np.array([at[g] for g in group_of], dtype=np.int64)
         return cls(names, [np.flatnonzero(index == i) for i in range(len(names))], index)
 
     def paired(self) -> np.ndarray:
