@@ -322,9 +322,17 @@ def _flag(values: dict[str, np.ndarray], g: Groups, cfg: DetectConfig
     """The flags of every rank and step, the thresholds, the excess, the per-step figures, and where the
     flags are at the fixed floor (``consistency.round3``)."""
     busy, step_s, wait = values["busy_s"], values["step_s"], values["comm_wait_s"]
-    parts = on_threads([lambda p=p: step_stage(busy[p], step_s[p], wait[p], g, cfg) for p in slices(*busy.shape)])
-    excess, costly = (np.concatenate([x[i] for x in parts]) if len(parts) > 1 else parts[0][i] for i in (0, 1))
-    stats = StepStats.joined([x[2] for x in parts]) if len(parts) > 1 else parts[0][2]
+    cut = slices(*busy.shape)
+    if len(cut) == 1:
+        excess, costly, stats = step_stage(busy, step_s, wait, g, cfg)
+    else:  # each step part's excess written in place by its thread (not kept whole, then copied again)
+        excess, costly = np.empty(busy.shape, dtype=busy.dtype), np.empty(busy.shape, dtype=np.float32)
+
+        def part(p: slice) -> StepStats:
+            excess[p], costly[p], st = step_stage(busy[p], step_s[p], wait[p], g, cfg)
+            return st
+
+        stats = StepStats.joined(on_threads([lambda p=p: part(p) for p in cut]))
     levels, thresholds = consistency_flags(excess, costly, cfg)
     return levels > 0, thresholds, excess, stats, (levels & AT_CLASSIC) > 0
 
