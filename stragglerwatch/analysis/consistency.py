@@ -36,6 +36,7 @@ same flags, bit for bit, as :func:`flags` here.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
@@ -440,13 +441,13 @@ def advance(
     out = np.zeros((max(0, stop - start), n_ranks * n_levels), dtype=bool)
     c = carry
     lo = start
-    with np.errstate(invalid="ignore", divide="ignore"):
+    chunks = _Chunks(state, levels, p, cfg, start, stop)
+    with np.errstate(invalid="ignore", divide="ignore"), chunks:
         for s in range(start, stop):
             if checkpoints is not None and s % every == 0:
                 checkpoints[s] = c.copy()
             if s == start or s % _CHUNK == 0:
-                lo, hi = s, min((s // _CHUNK + 1) * _CHUNK, stop)
-                ch = _chunk(state, levels, p, cfg, lo, hi)
+                lo, ch = s, chunks.at(s)
             i = s - lo
             e_s, m, lev, trailing = ch.e[i], ch.m[i], ch.lev[i], ch.trailing[i]
             # (each operation below is a plain ufunc where it can be: on a row of ranks their dispatch is the
@@ -493,6 +494,36 @@ def advance(
                 c.above[cleared], c.above_n[cleared] = 0.0, 0.0
             out[s - start] = c.on
     return out
+
+
+class _Chunks:
+    """The :class:`_Chunk` of each :data:`_CHUNK` steps of ``start:stop``, the next one made on a thread of its own
+    while the rule steps through this one (the rule's loop is numpy's call overhead on one core; a chunk is
+    numpy's loops over a thousand steps at once, which leave the interpreter lock to it)."""
+
+    def __init__(self, state: BlockState, levels: list[Scalars], p: _Levels, cfg: DetectConfig, start: int,
+                 stop: int) -> None:  # fmt: skip
+        self.args, self.stop = (state, levels, p, cfg), stop
+        self.pool = ThreadPoolExecutor(1) if stop - start > _CHUNK else None
+        self.next: Future[_Chunk] | None = None
+
+    def __enter__(self) -> _Chunks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    def _make(self, lo: int) -> _Chunk:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return _chunk(*self.args, lo, min((lo // _CHUNK + 1) * _CHUNK, self.stop))
+
+    def at(self, lo: int) -> _Chunk:
+        """The chunk from step ``lo`` (the start of the range, or of a chunk) to the end of its chunk."""
+        made = self.next.result() if self.next is not None else self._make(lo)
+        after = (lo // _CHUNK + 1) * _CHUNK
+        self.next = self.pool.submit(self._make, after) if self.pool is not None and after < self.stop else None
+        return made
 
 
 @dataclass
