@@ -146,6 +146,34 @@ def test_locator_names_the_users_frame_and_the_library_leaf() -> None:
     assert any("json" in leaf for _, leaf, _ in seen), "the leaf is the library frame the user's code called"
 
 
+def test_a_stack_cut_while_it_is_read_is_no_sample_and_a_library_s_own_stack_is_one(tmp_path: Path) -> None:
+    """The sampler reads another thread's frames while it holds the interpreter lock; if it lets go midway, the
+    thread runs on, and a generator that returns meanwhile is unlinked from its caller: the stack read ends in a
+    generator's frame, which no thread's stack does (CI once saw json's encoder named as the user's site). Such a
+    stack is no sample. A stack of library code alone, down to the thread's start, still names its library site."""
+    import os
+    import queue
+
+    walk = os.walk(tmp_path)
+    next(walk)  # a stdlib generator, suspended: its frame has no caller, as a returned one has
+    assert walk.gi_frame is not None and walk.gi_frame.f_back is None
+    assert Locator().locate(walk.gi_frame) is None
+    box: queue.Queue[int] = queue.Queue()
+    waiter = threading.Thread(target=box.get)  # the thread runs stdlib code only, from its start
+    waiter.start()
+    try:
+        deadline = time.monotonic() + 10
+        found = None
+        while found is None and time.monotonic() < deadline:
+            frame = __import__("sys")._current_frames().get(waiter.ident)
+            found = Locator().locate(frame) if frame is not None and frame.f_code.co_name == "wait" else None
+            time.sleep(0.01)
+    finally:
+        box.put(1)
+        waiter.join(timeout=5)
+    assert found is not None and found[0].startswith("threading.py:") and found[0].endswith(" wait"), found
+
+
 def test_sampler_counts_where_the_training_thread_is_and_writes_its_windows(tmp_path: Path) -> None:
     stop = threading.Event()
     worker = threading.Thread(target=_spin_in_slow_spot, args=(stop,))

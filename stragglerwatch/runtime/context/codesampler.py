@@ -20,6 +20,7 @@ Never harm training: a failure of ours is one log line and a counter (``errors``
 from __future__ import annotations
 
 import dis
+import inspect
 import os
 import sys
 import sysconfig
@@ -41,6 +42,8 @@ MAX_HZ = 200.0
 TOP = 5
 #: Frames looked at from the innermost one, at most.
 MAX_DEPTH = 128
+#: Code that runs in a frame a caller resumes (generators, coroutines): never a thread's outermost frame.
+_RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
 #: Instructions that call: a frame whose latest instruction is one, with no Python frame above it, is
 #: inside a native function (an operator on a native object, such as ``memmap[i]``, is not told apart).
 _CALLS = {dis.opmap[n] for n in ("CALL", "CALL_FUNCTION", "CALL_FUNCTION_KW", "CALL_FUNCTION_EX", "CALL_METHOD",
@@ -92,10 +95,13 @@ class Locator:
         return os.sep.join(parts[-2:]) if len(parts) > 2 else path
 
     def locate(self, frame: FrameType | None) -> tuple[str, str, bool] | None:
-        """(site, leaf, native) of a thread's innermost frame; None when only our frames are there."""
+        """(site, leaf, native) of a thread's innermost frame; None when only our frames are there, or when the
+        stack was cut while it was read (it ends in a generator's frame: the thread ran on while this one let go
+        of the interpreter lock, and the generator returned, which unlinks its frame from its caller)."""
         leaf: FrameType | None = None
         lib_site: FrameType | None = None
         depth = 0
+        last = frame
         while frame is not None and depth < MAX_DEPTH:
             label, kind = self._kind(frame.f_code)
             if kind:
@@ -105,9 +111,9 @@ class Locator:
                     break
                 if lib_site is None and not label.startswith("torch" + os.sep):
                     lib_site = frame  # a library's own code (not torch's): the site if no user code is found
-            frame = frame.f_back
+            last, frame = frame, frame.f_back
             depth += 1
-        if leaf is None:
+        if leaf is None or (frame is None and last is not None and last.f_code.co_flags & _RESUMABLE):
             return None
         site = frame if frame is not None and depth < MAX_DEPTH else (lib_site or leaf)
         return self._where(site), self._where(leaf), _in_call(leaf)
