@@ -232,7 +232,8 @@ def round2(state: BlockState, sc: Scalars, cfg: DetectConfig) -> Round2:
     ranks in threads (per rank, then summed over the block: no figure depends on where the slices were cut)."""
     cap = sc.cap(cfg)
     e = state.e
-    center = state.center if state.center is not None else np.full(e.shape[1], np.nan)
+    center = state.center
+    assert center is not None, "round 1 sets each rank's centre"
     parts = on_threads([lambda cs=cs: _round2(e[:, cs], state.level[:, cs], center[cs], cap, cfg)
                         for cs in slices(e.shape[1], e.shape[0])])  # fmt: skip
     n, total, squares, second_w, second_lw = (np.concatenate([p[i] for p in parts]) for i in range(5))
