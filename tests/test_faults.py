@@ -253,6 +253,36 @@ def test_no_failure_of_ours_reaches_the_training_loop(tmp_path: Path, caplog: py
     assert said(caplog, "a hook of ours failed") == 1, "one line, the rest counted"
 
 
+def test_a_problem_counted_is_a_problem_said() -> None:
+    """Whoever sees a problem's count (``stats()``) finds its line logged: a slow log handler of the
+    application's does not let the count run ahead of the line (a test read the count, then the log, and found
+    the line not there yet)."""
+    import logging
+    import threading
+
+    said: list[str] = []
+
+    class Slow(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            time.sleep(0.3)
+            said.append(record.getMessage())
+
+    logger = logging.getLogger("stragglerwatch.test-problems")
+    logger.propagate, handler = False, Slow()
+    logger.addHandler(handler)
+    try:
+        problems = Problems(logger)
+        worker = threading.Thread(target=problems.report, args=("control", "control file: unreadable"))
+        worker.start()
+        wait_for(lambda: problems.counts.get("control"), 5, "the count")
+        assert said == ["stragglerwatch: control file: unreadable"], said
+        worker.join(timeout=5)
+        problems.report("control", "again")  # within the minute: counted, not said
+        assert problems.counts == {"control": 2} and len(said) == 1
+    finally:
+        logger.removeHandler(handler)
+
+
 def test_config_precedence_errors_and_documentation(caplog: pytest.LogCaptureFixture) -> None:
     env = {"STRAGGLERWATCH_RUN_DIR": "/from/env", "STRAGGLERWATCH_PROMETHEUS_PORT": "9400"}
     cfg = Config.resolve(Config(role="stage1"), environ=env, flush_interval_s=0.5)

@@ -30,21 +30,24 @@ class Problems:
     def report(self, kind: str, message: str, level: int = logging.WARNING, key: str | None = None) -> None:
         """Count a problem of ``kind``; log ``message`` unless one of its kind (of its ``key`` within the kind,
         where given: two bad settings are two problems to say) was logged lately."""
-        try:
-            limit = kind if key is None else f"{kind}:{key}"
-            with self._lock:
+        limit = kind if key is None else f"{kind}:{key}"
+        with self._lock:
+            now = time.monotonic()
+            last = self._last.get(limit)
+            if last is not None and now - last < self.every_s:
+                self._unsaid[limit] = self._unsaid.get(limit, 0) + 1
                 self.counts[kind] = self.counts.get(kind, 0) + 1
-                now = time.monotonic()
-                last = self._last.get(limit)
-                if last is not None and now - last < self.every_s:
-                    self._unsaid[limit] = self._unsaid.get(limit, 0) + 1
-                    return
-                self._last[limit] = now
-                unsaid = self._unsaid.pop(limit, 0)
+                return
+            self._last[limit] = now
+            unsaid = self._unsaid.pop(limit, 0)
+        try:
             more = f" ({unsaid} more since the last message)" if unsaid else ""
             self.logger.log(level, "stragglerwatch: %s%s", message, more)
         except Exception:  # a broken logging handler of the application's is not our business
             pass
+        finally:  # counted once said: whoever sees the count (``stats()``) finds its line logged
+            with self._lock:
+                self.counts[kind] = self.counts.get(kind, 0) + 1
 
     @property
     def total(self) -> int:
