@@ -525,10 +525,10 @@ def test_native_stacks_dump_each_hold_once_and_say_when(tmp_path: Path) -> None:
     native = NativeStacks(tmp_path / "stacks-00000.txt")
     holds = []
     try:
-        native.arm(0.3)
+        native.arm(0.5)
         for _ in range(2):
             t0 = time.time()
-            ctypes.PyDLL(None).usleep(1_000_000)  # holding the GIL: the timer fires 0.3 s in, once
+            ctypes.PyDLL(None).usleep(1_500_000)  # holding the GIL: the timer fires at most 0.5 s in, once
             holds.append((t0, time.time()))
             time.sleep(0.5)  # Python runs: the keeper arms the timer again
         dumps = native_dumps(native.collect() or "")
