@@ -52,7 +52,7 @@ class NativeStacks:
         self._seen = 0  # the file's bytes collected so far
         self._marks: list[tuple[int, float]] = []  # (the file's size, its modification time) after each dump
         self._lock = threading.Lock()
-        self._rearm: float | None = None
+        self._rearm = False  # armed when a fork began: armed again after it, in the parent
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
         self.rearms = 0
@@ -150,12 +150,12 @@ class NativeStacks:
 
     def before_fork(self) -> None:
         self._lock.acquire()
-        self._rearm = self._timeout_s
+        self._rearm = self._timeout_s is not None
         self._disarm()
 
     def after_fork_in_parent(self) -> None:
         try:
-            if self._rearm is not None and self._file is not None:
+            if self._rearm and self._file is not None:
                 self._set()
         finally:
             self._lock.release()
