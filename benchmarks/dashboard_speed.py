@@ -9,7 +9,9 @@
    median and worst per 1,000 steps, and how soon a flush shows with the page's refresh period on
    top. Before the source starts, times what a flush would cost a source that re-read and
    re-analysed the whole run. When the run stops growing, checks that the source settles on the
-   report ``analyze`` gives, and prints the memory of the followed run's arrays per record.
+   report ``analyze`` gives, and prints the memory of the followed run's arrays per record. With ``--window``,
+   the source follows the last ``--window`` steps only: every 1,000 steps it prints the bytes its arrays
+   hold and the process's resident memory, which stay flat however long the run grows.
 2. ``render`` only: the refresh callback's work on a prepared snapshot of ``--steps`` steps.
 3. ``small``: how soon the live page names a small straggler. A quiet run (256 ranks, 0.5% of jitter per
    step, 100 ms steps) whose rank 17's compute becomes 5% slower at step 600 (its busy time 3.5%) is
@@ -19,6 +21,7 @@
    it: the batch that proves it is the one holding that step.
 
     python benchmarks/dashboard_speed.py [--ranks 1024 --first 2000 --steps 10000 --flush-steps 10] [--tokens 4096]
+        [--window 2048]
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import plotly.io as pio
 from plotly.utils import PlotlyJSONEncoder
 
 from stragglerwatch.analysis.detect import detect, to_matrix
+from stragglerwatch.analysis.live import LiveRun
 from stragglerwatch.analysis.report import Analysis, RankFigures, analyze_run, build_report
 from stragglerwatch.presentation.dashboard import Snapshot
 from stragglerwatch.presentation.dashboard.app import render
@@ -53,7 +57,24 @@ def to_json(out: dict) -> int:
     return sum(len(x) for x in payload)
 
 
-def end_to_end(cfg: SimConfig, first: int, flush_steps: int, poll_s: float) -> None:
+def held(live: LiveRun) -> tuple[int, int]:
+    """The bytes of the rows a followed run's arrays hold (read, detection, work-adjusted) and of the last."""
+    kept = sum(a[: rows.n].nbytes for rows in (live.data, live.det) for a in rows.arrays.values())
+    work = live.work
+    adjusted = sum(a[: work.adjusted.n].nbytes for a in work.adjusted.arrays.values()) if work is not None else 0
+    return kept + adjusted, adjusted
+
+
+def resident_gib() -> float:
+    """This process's resident memory now (Linux), else its peak."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 2**20
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def end_to_end(cfg: SimConfig, first: int, flush_steps: int, poll_s: float, steps_kept: int | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
         grower = GrowingRun(run, cfg)
@@ -64,9 +85,10 @@ def end_to_end(cfg: SimConfig, first: int, flush_steps: int, poll_s: float) -> N
         whole_s = time.perf_counter() - t0
         print(f"end-to-end: re-reading and re-analysing the whole run at {first} steps, then the figures and JSON "
               f"(what every flush would cost without incremental following): {whole_s:.1f} s")  # fmt: skip
-        source = RunDirSource(run, interval_s=poll_s).start()  # its thread polls, as in the dashboard
+        source = RunDirSource(run, interval_s=poll_s, window=steps_kept).start()  # its thread polls, as the dashboard's
+        kept = f"; the source keeps the last {source.live.window} steps" if steps_kept else ""
         print(f"end-to-end: {cfg.ranks} ranks, {first} steps written; a flush of {flush_steps} steps to every "
-              f"rank's stream at a time up to {cfg.steps}; the source polls every {poll_s} s")  # fmt: skip
+              f"rank's stream at a time up to {cfg.steps}; the source polls every {poll_s} s{kept}")  # fmt: skip
         window: dict[str, list[float]] = {"source": [], "render + JSON": [], "total": []}
         worst, size, totals = 0.0, 0, []
         for upto in range(first + flush_steps, cfg.steps + 1, flush_steps):
@@ -86,7 +108,9 @@ def end_to_end(cfg: SimConfig, first: int, flush_steps: int, poll_s: float) -> N
             totals.append(t2 - t0)
             if upto % 1000 == 0 or upto == cfg.steps:
                 parts = ", ".join(f"{k} {statistics.median(v):.2f}/{max(v):.2f} s" for k, v in window.items())
-                print(f"  steps {upto - 999 if upto >= 1000 else 0}-{upto}: median/worst {parts}", flush=True)
+                memory = (f"; arrays {held(source.live)[0] / 1e9:.2f} GB ({source.live.data.n} steps held), "
+                          f"RSS {resident_gib():.2f} GiB" if steps_kept else "")  # fmt: skip
+                print(f"  steps {upto - 999 if upto >= 1000 else 0}-{upto}: median/worst {parts}{memory}", flush=True)
                 window = {k: [] for k in window}
         grower.close()
         t0 = time.perf_counter()
@@ -98,21 +122,20 @@ def end_to_end(cfg: SimConfig, first: int, flush_steps: int, poll_s: float) -> N
         settled = time.perf_counter() - t0
         report = json.loads(json.dumps(source.snapshot().analysis.report))
         source.stop()
-        same = report == json.loads(json.dumps(analyze_run(run).report))
+        same = report == json.loads(json.dumps(analyze_run(run).report)) if not steps_kept else None
         print(f"end-to-end: worst {worst:.2f} s; payload {size / 1e6:.2f} MB; plus up to the page's refresh "
               f"period (the dashboard's default: {REFRESH_S} s) until the browser asks: a flush shows in about "
               f"{statistics.median(totals) + REFRESH_S / 2:.1f} s typically (median + half the period), within "
               f"{worst + REFRESH_S:.1f} s at worst")  # fmt: skip
-        live = source.live
-        kept = sum(a[: rows.n].nbytes for rows in (live.data, live.det) for a in rows.arrays.values())
-        work = live.work
-        adjusted = sum(a[: work.adjusted.n].nbytes for a in work.adjusted.arrays.values()) if work is not None else 0
+        total, adjusted = held(source.live)
+        records = cfg.ranks * source.live.data.n
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        print(f"end-to-end: the followed run's arrays hold {(kept + adjusted) / 1e9:.2f} GB, "
-              f"{(kept + adjusted) / (cfg.ranks * cfg.steps):.0f} bytes a record (of which the work-adjusted "
-              f"times {adjusted / (cfg.ranks * cfg.steps):.0f}); peak RSS of this process {peak:.2f} GiB")  # fmt: skip
-        print(f"end-to-end: the run stopped growing; settled on the exact analysis in {settled:.1f} s; the same "
-              f"report as analyze: {same}")  # fmt: skip
+        print(f"end-to-end: the followed run's arrays hold {total / 1e9:.2f} GB for {source.live.data.n} steps, "
+              f"{total / records:.0f} bytes a record (of which the work-adjusted times {adjusted / records:.0f}); "
+              f"peak RSS of this process {peak:.2f} GiB")  # fmt: skip
+        print(f"end-to-end: the run stopped growing; settled on the exact analysis in {settled:.1f} s; "
+              + (f"the same report as analyze: {same}" if same is not None else "(of the window: analyze reads the "
+                 "whole run)"))  # fmt: skip
 
 
 def small(flush_steps: int, poll_s: float, ranks: int = 256, steps: int = 1200, onset: int = 600) -> None:
@@ -168,6 +191,8 @@ def main() -> None:
     p.add_argument("--poll", type=float, default=POLL_S, help="end-to-end: the source's polling period (s)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--part", choices=("end-to-end", "render", "both", "small"), default="both")
+    p.add_argument("--window", type=int, default=None, metavar="STEPS",
+                   help="end-to-end: the source follows the last STEPS steps only (the dashboard's --window)")
     p.add_argument("--tokens", type=float, default=0.0,
                    help="mean tokens a rank a step: every rank its own batch each step (variable work, recorded "
                         "per step; the followed run is adjusted for it); default 0: no work recorded")  # fmt: skip
@@ -178,7 +203,7 @@ def main() -> None:
     slow = [Injection(17, 0.2, args.steps // 4), Injection(900 % args.ranks, 0.1, args.steps // 2, "data")]
     cfg = SimConfig(args.ranks, args.steps, injections=slow, tokens=args.tokens)
     if args.part in ("end-to-end", "both"):
-        end_to_end(cfg, args.first, args.flush_steps, args.poll)
+        end_to_end(cfg, args.first, args.flush_steps, args.poll, args.window)
     if args.part == "end-to-end":
         return
     t0 = time.perf_counter()

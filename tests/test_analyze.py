@@ -144,6 +144,11 @@ def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         assert cli(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("stragglerwatch") and "error:" in err[0] and needle in err[0], err
+    for window, needle in (("100", "100 steps: a window holds at least 1024"), ("2k", "not a whole number of steps")):
+        with pytest.raises(SystemExit) as exited:  # an option argparse refuses
+            cli(["dashboard", str(tmp_path), "--window", window])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exited.value.code == 2 and len(err) == 1 and "error: argument --window" in err[0] and needle in err[0]
 
 
 def test_empty_and_unreadable_runs(make_run, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from stragglerwatch.analysis.live import LiveRun, distinct, room
+from stragglerwatch.analysis.live import LiveRun, distinct, recent, room
 from stragglerwatch.analysis.report import analyze_run
 from stragglerwatch.record.simulate import GrowingRun, Injection, SimConfig
 
@@ -311,3 +311,85 @@ def test_the_room_for_more_steps_costs_no_memory_until_written() -> None:
     assert float(arr[:100].sum()) == 1.5 * 100 * 4096
     small = room((10, 3), np.float32)  # a small array is numpy's own
     assert small.shape == (10, 3) and small.flags.f_contiguous and room((5,), bool).shape == (5,)
+
+
+# -- a window of the last steps ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [0.0, 512.0])
+def test_a_window_keeps_the_state_of_the_whole_history_at_its_first_row(tmp_path, tokens):
+    """A followed run with a window holds its last steps only, and goes on from the rule's state at the row the
+    window starts at: given the same job-wide scalars and work model (each made once here: ``regrow`` never
+    reached), every row it holds has the excess, the rolling medians, the rule's flags and the intermittent
+    test's blocks that the run followed whole has there (with work: times adjusted with the model's reference
+    of the rows kept)."""
+    slow = [Injection(6, 0.3, 900, "compute", 1500), Injection(11, 0.25, 2500, "data")]
+    cfg = SimConfig(ranks=16, steps=3200, seed=4, tokens=tokens, injections=slow)
+    run = GrowingRun(tmp_path / "run", cfg)
+    windowed, whole = (LiveRun(tmp_path / "run", regrow=1e9, fit_in_background=False, window=window)
+                       for window in (1024, None))  # fmt: skip
+    slid = 0
+    for upto in range(100, 3201, 100):
+        run.flush(upto)
+        assert windowed.update() and whole.update()
+        n, k = windowed.data.n, windowed.dropped
+        assert windowed.slide == 256 and n <= 1024 + 256 + 100 and k % 256 == 0 and k + n == whole.data.n
+        assert np.array_equal(windowed.steps, whole.steps[k:])
+        if tokens:
+            assert windowed.work is not None and whole.work is not None
+            assert np.array_equal(windowed.work.model.ref[:n], whole.work.model.ref[k : k + n], equal_nan=True)
+        for name in ("e", "med", "level", "flags", "classic"):
+            held, all_rows = windowed.det.arrays[name][:n], whole.det.arrays[name][k : k + n]
+            assert np.array_equal(held, all_rows, equal_nan=held.dtype.kind == "f"), name
+        for name in ("means", "top"):  # the intermittent test's whole blocks
+            held, all_rows = windowed.blocks.arrays[name][: n // 8], whole.blocks.arrays[name][k // 8 : (k + n) // 8]
+            assert np.array_equal(held, all_rows, equal_nan=True), name
+        slid += k > 0
+    assert slid and windowed.restarts == 0 and windowed.dropped >= 3200 - 1024 - 256
+    report = windowed.analysis.report
+    assert report["first_step"] == windowed.dropped and report["last_step"] == 3199
+    # rank 6's stretch ended before the window: only rank 11's is the window's
+    assert _flagged(windowed) == [(11, "data")] and (6, "compute") in _flagged(whole)
+
+
+def test_a_long_run_opened_late_is_read_into_its_window_with_the_runs_numbering(tmp_path):
+    """Each stream is cut to its last steps as it is read; the last step of each attempt is kept, so that the
+    steps are numbered, and the attempts told, as ``analyze`` does on the whole run."""
+    cfg = SimConfig(ranks=8, steps=3000, seed=1, tokens=512, injections=[Injection(2, 0.3, 2600, "compute")])
+    out = tmp_path / "run"
+    run = GrowingRun(out, cfg)
+    run.flush(3000)
+    t = run.tables[0].slice(0, 40)  # torchrun restarts the job: a new attempt's steps follow the old ones
+    t = t.set_column(t.schema.get_field_index("restart"), t.schema.field("restart"),
+                     pa.array([1] * t.num_rows, type=pa.int32()))  # fmt: skip
+    with pa.OSFile(str(out / "rank-00000.1.arrows"), "wb") as sink, pa.ipc.new_stream(sink, t.schema) as w:
+        w.write_table(t)
+    live = LiveRun(out, window=1024)
+    assert live.update()
+    assert live.data.n <= 1024 + live.slide and live.restarts == 0
+    whole = analyze_run(out).report
+    report = live.analysis.report
+    assert report["attempts"] == [{**a, **{k: report["attempts"][i][k] for k in ("job_seconds", "lost_seconds",
+                                                                                 "lost_gpu_seconds")}}
+                                  for i, a in enumerate(whole["attempts"])]  # fmt: skip
+    spans = [(a["restart"], a["first_step"], a["last_step"]) for a in report["attempts"]]
+    assert spans == [(0, 0, 2999), (1, 3000, 3039)]
+    assert report["last_step"] == whole["last_step"] == 3039 and report["first_step"] > 3039 - 1024 - live.slide
+    assert (2, "compute") in _flagged(live)
+
+
+def test_recent_keeps_the_last_records_and_each_attempts_last_step() -> None:
+    steps = [*range(10), *range(6)]  # attempt 0: steps 0-9 of ranks 0 and 1 (interleaved), attempt 1: 0-5
+    table = pa.table(
+        {
+            "rank": pa.array([i % 2 for i in range(16)], pa.int32()),
+            "step": pa.array(steps, pa.int64()),
+            "restart": pa.array([0] * 10 + [1] * 6, pa.int32()),
+            "attach": pa.array([0] * 16, pa.int32()),
+        }
+    )
+    got = recent(table, 4)
+    # the last 4 records (attempt 1's steps 2-5), and before them rank 0's and rank 1's last of each attempt
+    assert list(zip(got["restart"].to_pylist(), got["rank"].to_pylist(), got["step"].to_pylist(), strict=True)) == [
+        (0, 0, 8), (0, 1, 9), (1, 0, 0), (1, 1, 1), (1, 0, 2), (1, 1, 3), (1, 0, 4), (1, 1, 5)]  # fmt: skip
+    assert recent(table, 16) is table

@@ -254,6 +254,25 @@ def test_run_names_in_process(tmp_path: Path) -> None:
     assert "a Prometheus source is" in (Service(ServiceConfig(source="http://prom:9090")).error or "")
 
 
+def test_a_window_of_steps_is_set_from_the_environment(tmp_path: Path) -> None:
+    """STRAGGLERWATCH_WINDOW_STEPS: a run's source follows its last steps, and says so; one too small to hold the
+    rule's look back is one line; unset, every step."""
+    from stragglerwatch.presentation.dashboard.service import ConfigError
+
+    (tmp_path / "run").mkdir()
+    env = {"STRAGGLERWATCH_SOURCE": str(tmp_path / "run"), "STRAGGLERWATCH_WINDOW_STEPS": "2048"}
+    config = ServiceConfig.from_env(env)
+    source = Service(config).pool.get("")  # made and started, as a page's request does
+    try:
+        assert source.live.window == 2048 and source.label.endswith("(its last 2,048 steps)")
+    finally:
+        source.stop()
+    with pytest.raises(ConfigError, match=r"^STRAGGLERWATCH_WINDOW_STEPS=500: a window holds at least 1024 steps"):
+        ServiceConfig.from_env({"STRAGGLERWATCH_WINDOW_STEPS": "500"})
+    assert ServiceConfig.from_env({}).window_steps == 0
+    assert Service(ServiceConfig(source=str(tmp_path / "run")))._make("").live.window is None
+
+
 def test_misconfigured_service_says_so_in_one_line(tmp_path: Path) -> None:
     """STRAGGLERWATCH_SOURCE unset: the worker logs one line and the page says so; a bad number: gunicorn
     does not start, with one line."""

@@ -23,6 +23,17 @@ and detection moves on from where it was instead of starting over.
 - **Slow figures.** The host context and the jitter tax (a resampling of every healthy step) are
   brought up to date at most every ``slow_every_s``; the jitter tax on a thread beside the updates (at
   4,096 ranks it takes seconds), the last one shown until it ends.
+- **Window** (``window``, off by default). The arrays hold the last ``window`` steps of the run (at least
+  :data:`MIN_WINDOW`) and at most ``slide`` more (a quarter of the window, a multiple of :data:`SLIDE`): once
+  they hold more, the oldest rows are dropped, ``slide`` at a time (into new arrays: a copy of the window,
+  so the fewer the better), and the detection goes on from the state it had at the row the window now starts
+  at (the consistency rule's checkpoint there, the whole blocks after it, the work model's reference of the
+  rows kept), so memory is bounded by the window and the per-rank state, whatever the run's length. A
+  stream is cut to its last ``window + slide`` records as it is read (and the last record of each attempt,
+  which numbers the steps), so that a long run opened late is not held whole either; records of steps
+  before the window are left out. The report is then the window's: its stragglers, costs and figures are
+  those of the steps it holds (``first_step`` is the window's first), and settling analyses the window
+  whole, not the run (``analyze`` does that).
 - **Settling.** When an update finds nothing new, the run has been quiet for ``settle_after_s`` (and
   three of its usual gaps between flushes) and the verdict was not computed from all of the data at
   once, the run is analysed whole (``detect``, as ``analyze`` does): the verdict of a
@@ -33,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import mmap
 import os
 import threading
@@ -107,6 +119,12 @@ from stragglerwatch.record.schema import GAP_COLUMNS, schema_compatible
 from stragglerwatch.record.steplog import RunDirWarning, conform, log_names, read_log, work_unit
 
 SCALAR_RANKS = 256  # ranks the followed run's scalars are estimated from
+#: A windowed run drops rows a multiple of this at once (a quarter of its window): the consistency rule's
+#: checkpoint interval, a multiple of the intermittent test's block, so that both have their state at the row the
+#: window then starts at.
+SLIDE = 256
+#: The least window: many times the rule's longest look back (``DetectConfig.level_window``).
+MIN_WINDOW = 1024
 RESERVE = 16384  # steps of room the arrays are made with
 SMALL_PAGES_FROM = 1 << 22  # bytes: a larger array with room is mapped in small pages (``room``)
 OTHER_SUFFIXES = (".jsonl", ".json", ".txt")  # the files besides the logs a report reads (``LiveRun._others``)
@@ -149,11 +167,13 @@ def is_parquet(f: str | os.PathLike[str]) -> bool:
     return os.fspath(f).endswith(".parquet")
 
 
-def read_changed(files: Iterable[str | os.PathLike[str]], seen: dict[str, _File]
+def read_changed(files: Iterable[str | os.PathLike[str]], seen: dict[str, _File],
+                 keep: Callable[[pa.Table], pa.Table] | None = None,
                  ) -> list[tuple[str | os.PathLike[str], pa.Table]] | None:  # fmt: skip
     """The new batches of the step logs among ``files`` that changed since ``seen`` recorded them: a Parquet
     log whole, as this schema's columns; a stream from where the last read stopped, as written (the caller
-    conforms it). None where a stream shrank (rewritten: read the run again)."""
+    conforms it); each cut by ``keep`` as soon as it is read. None where a stream shrank (rewritten: read the
+    run again)."""
     out = []
     for f, state, st in changed(files, seen):
         parquet = is_parquet(f)
@@ -162,23 +182,46 @@ def read_changed(files: Iterable[str | os.PathLike[str]], seen: dict[str, _File]
         table = read_log(Path(f), NAMES, quiet) if parquet else read_new(f, state, schema_compatible, st.st_size)
         state.size, state.mtime = st.st_size, st.st_mtime_ns
         if table is not None:
-            out.append((f, table))
+            out.append((f, table if keep is None else keep(table)))
     return out
 
 
-def room(shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
+def recent(table: pa.Table, rows: int) -> pa.Table:
+    """Of a step log's records, in the order written, the last ``rows``, and before them the last step of each
+    rank in each attempt (what the run's numbering of the steps and its attempts are made from): what a window of
+    ``rows`` steps needs of it. The table whole where it has no more, or its ids cannot be read."""
+    n = len(table)
+    if n <= rows:
+        return table
+    try:
+        head = table.slice(0, n - rows)
+        keys = attempt_keys(head) if {"restart", "attach"} <= set(table.column_names) else np.zeros(n - rows, np.int64)
+        rank, step = head["rank"].to_numpy(), head["step"].to_numpy()
+    except (KeyError, pa.ArrowException, TypeError, ValueError):
+        return table
+    order = np.lexsort((step, rank, keys))
+    k, r = keys[order], rank[order]
+    last = np.append((k[1:] != k[:-1]) | (r[1:] != r[:-1]), True)  # the last (highest step) of each group
+    return table.take(pa.array(np.concatenate([np.sort(order[last]), np.arange(n - rows, n)])))
+
+
+def room(shape: tuple[int, ...], dtype: type | np.dtype, full: bool = False) -> np.ndarray:
     """An unwritten array, column-major (C order for one dimension), whose memory the system gives page by page
     as it is first written, in small pages: a column-major array with room for more steps has the room of each
     column between the used rows of the next ones, and a huge page (numpy asks for them for large arrays)
-    would make the room of a dozen columns resident at the first write of each. A small array: ``np.empty``."""
+    would make the room of a dozen columns resident at the first write of each. ``full``: an array about to be
+    written nearly whole (a window's copy), in huge pages where the system gives them (its first writes cost a
+    quarter as much). Either is mapped on its own and given back to the system when dropped (an array of the
+    allocator's may stay in its heap). A small array: ``np.empty``."""
     order = "F" if len(shape) > 1 else "C"
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if size < SMALL_PAGES_FROM or not hasattr(mmap, "MAP_PRIVATE"):
         return np.empty(shape, dtype=dtype, order=order)
     anonymous = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # where the system gives huge pages unasked (transparent huge pages)
+    advice = "MADV_HUGEPAGE" if full else "MADV_NOHUGEPAGE"  # small pages where the system gives huge ones unasked
+    if hasattr(mmap, advice):
         with contextlib.suppress(OSError):
-            anonymous.madvise(mmap.MADV_NOHUGEPAGE)
+            anonymous.madvise(getattr(mmap, advice))
     return np.frombuffer(anonymous, dtype=dtype).reshape(shape, order=order)
 
 
@@ -207,10 +250,19 @@ class _Rows:
                 self.arrays[name][self.n : n] = fill
         self.n = n
 
+    def dropped(self, k: int, more: int) -> _Rows:
+        """The rows from ``k`` on, in new arrays with room for ``more`` rows (the arrays here may still be read: by
+        a work fit running beside the updates, by a view of the last analysis); nearly full, in huge pages."""
+        out = _Rows(max(0, self.n - k))
+        for name, arr in self.arrays.items():
+            out.arrays[name] = room((out.n + more, *arr.shape[1:]), arr.dtype, full=True)
+            out.arrays[name][: out.n] = arr[k : self.n]
+        return out
+
 
 @dataclass
 class _Work:
-    """The work model a followed run is adjusted with, fitted when the run had ``steps`` steps (its ``ref``
+    """The work model a followed run is adjusted with, fitted when ``steps`` steps had been read (its ``ref``
     extended to every step read since), and the values adjusted with it (the rows read since adjusted as
     they came)."""
 
@@ -240,7 +292,7 @@ class _Jitter:
 
 @dataclass
 class _Refit:
-    """A work fit running on a thread beside the updates, over the first ``steps`` rows; ``done`` holds
+    """A work fit running on a thread beside the updates, begun when ``steps`` steps had been read; ``done`` holds
     ``(column, unit, model, imbalance)`` once it ended, None where the work no longer varies."""
 
     steps: int
@@ -252,8 +304,11 @@ class LiveRun:
     """The analysis of a run dir that grows; :meth:`update` returns whether it changed."""
 
     def __init__(self, run_dir: str | Path, config: DetectConfig | None = None, regrow: float = 0.10,
-                 slow_every_s: float = 10.0, settle_after_s: float = 0.0, fit_in_background: bool = True):  # fmt: skip
+                 slow_every_s: float = 10.0, settle_after_s: float = 0.0, fit_in_background: bool = True,
+                 window: int | None = None):  # fmt: skip
         self.run_dir = Path(run_dir)
+        self.window = None if window is None else max(MIN_WINDOW, int(window))  # steps kept (None: every step)
+        self.slide = SLIDE if window is None else max(SLIDE, self.window // 4 // SLIDE * SLIDE)  # rows dropped at once
         self.fit_in_background = fit_in_background
         self.fit_failures = 0  # background fits that raised (each said once on the log)
         self.cfg = config or DetectConfig()
@@ -272,6 +327,7 @@ class LiveRun:
         self.last_own: dict[int, dict[int, int]] = {}  # attempt key -> rank -> its last step there (run numbering)
         self.ranks = np.zeros(0, dtype=np.int64)
         self.steps = np.zeros(0, dtype=np.int64)
+        self.dropped = 0  # rows dropped from the front of the window (``window``), all told
         self.data = _Rows()
         self.det = _Rows()
         self.blocks = _Rows()  # ``intermittent``'s whole blocks of ``det``: their means and largest costs
@@ -362,7 +418,8 @@ class LiveRun:
         except OSError:  # not a run dir yet: nothing to read
             return None
         folder = os.fspath(self.run_dir)
-        read = read_changed([os.path.join(folder, name) for name in names], self.files)
+        keep = None if self.window is None else functools.partial(recent, rows=self.window + self.slide)
+        read = read_changed([os.path.join(folder, name) for name in names], self.files, keep)
         if read is None:
             raise _Restart
         tables = self._conform(read)
@@ -374,7 +431,28 @@ class LiveRun:
         for table in tables:
             row = self._scatter(table)
             lo = row if lo is None or (row is not None and row < lo) else lo
-        return lo
+        return lo if lo is None else self._slide(lo)
+
+    def _slide(self, lo: int) -> int:
+        """With a window: the oldest rows dropped, ``slide`` at a time, once more than ``window + slide`` are held;
+        the detection's state kept from the row the window starts at. The first row that changed, in the rows
+        kept."""
+        n = self.data.n
+        if self.window is None or n < self.window + self.slide:
+            return lo
+        k = (n - self.window) // self.slide * self.slide
+        more = 2 * self.slide + n - self.det.n  # room for this update's rows and the next ones' until the next slide
+        self.steps, self.data, self.dropped = self.steps[k:], self.data.dropped(k, more), self.dropped + k
+        if lo < k or self.det.n < k:  # rows before the new window changed: its detection starts afresh
+            self.det, self.blocks, self.checkpoints, lo = _Rows(), _Rows(), {}, 0
+        else:
+            self.det, self.blocks = self.det.dropped(k, more), self.blocks.dropped(k // BLOCK, more // BLOCK + 1)
+            self.checkpoints = {s - k: c for s, c in self.checkpoints.items() if s >= k}
+        work = self.work
+        if work is not None:
+            work.model = dataclasses.replace(work.model, ref=work.model.ref[k:])
+            work.adjusted = work.adjusted.dropped(k, more)
+        return max(0, lo - k)
 
     def _conform(self, read: list[tuple[str | os.PathLike[str], pa.Table]]) -> list[pa.Table]:
         """The new batches of the streams as this schema's columns: once for all the files written by
@@ -439,6 +517,12 @@ class LiveRun:
             present = np.flatnonzero(top_of > np.iinfo(np.int64).min)
             for r, s in zip((present + lowest).tolist(), top_of[present].tolist(), strict=True):
                 own[r] = max(own.get(r, -1), s)
+        if self.dropped and self.steps.size:  # the steps before the window are no longer held
+            inside = step >= self.steps[0]
+            if not inside.all():
+                table, step, rank = table.filter(pa.array(inside)), step[inside], rank[inside]
+                if not len(table):
+                    return None
         new = distinct(step[~np.isin(step, self.steps)])
         if new.size and self.steps.size and new[0] < self.steps[-1]:
             raise _Restart  # a step inside the known range: its row does not exist
@@ -555,9 +639,9 @@ class LiveRun:
         d["med"][rows], d["level"][rows] = part.med[lo - tail :], part.level[lo - tail :]
         d["counted"][rows] = np.asarray(part.counted)[lo - tail :]
         state = cons.BlockState(d["e"][:n], d["costly"][:n], d["med"][:n], d["level"][:n], d["counted"][:n])
-        if self.sc is None or n >= (1.0 + self.regrow) * self.sc_steps:
+        if self.sc is None or n + self.dropped >= (1.0 + self.regrow) * self.sc_steps:
             # the steps before ``lo`` keep the flags the earlier scalars gave them until the run settles
-            self.sc, self.sc_steps = self._scalars(state), n
+            self.sc, self.sc_steps = self._scalars(state), n + self.dropped
         sc = self.sc
         levels = cons.floor_levels(sc)
         width = r * len(levels)  # the carries hold the levels side by side (``consistency.advance``)
@@ -633,6 +717,7 @@ class LiveRun:
         with the new fit, the rows before them keeping the adjustment they were followed with (as the flags
         keep their scalars) until the run settles."""
         n = len(mat.steps)
+        total = n + self.dropped  # the steps read, all told: the fits are made again as the run grows
         if not self.uneven:
             self.uneven = _uneven_rows(mat.values, lo)
         if not self.uneven:
@@ -646,22 +731,22 @@ class LiveRun:
             if got is None:
                 self.uneven = False
                 return mat.values, lo
-            fitted, steps = (*got, None), n
+            fitted, steps = (*got, None), total
         elif self.refit is not None and self.refit.thread is not None and not self.refit.thread.is_alive():
             refit, self.refit = self.refit, None
             if refit.done is not None:
                 fitted, steps = refit.done, refit.steps
             else:  # it failed, or found no work that varies: the last fit stays until the run grows again
                 work.steps = refit.steps
-        elif self.refit is None and n >= (1.0 + self.regrow) * work.steps:
+        elif self.refit is None and total >= (1.0 + self.regrow) * work.steps:
             if self.fit_in_background:
-                self._fit_beside(mat.values, mat.work_unit, g, healthy, n)
+                self._fit_beside(mat.values, mat.work_unit, g, healthy, total)
             else:
                 got = _fit(mat.values, mat.work_unit, g, healthy)
                 if got is None:
                     self.uneven = False
                     return mat.values, lo
-                fitted, steps = (*got, None), n
+                fitted, steps = (*got, None), total
         if fitted is not None:
             column, unit, model, imbalance = fitted
             if work is None or work.column != column:  # the first fit, or another count of the work: every row
@@ -686,9 +771,9 @@ class LiveRun:
 
     def _fit_beside(self, values: dict[str, np.ndarray], work_unit: str, g: Groups, healthy: np.ndarray | None,
                     n: int) -> None:  # fmt: skip
-        """Start fitting the work model again on a thread, over the first ``n`` rows (views: the rows the
-        updates write next are past them, and arrays that grow are new arrays), with its imbalance verdict
-        (with the flags of the last update)."""
+        """Start fitting the work model again on a thread, over the rows held (views: the rows the updates write
+        next are past them, and arrays that grow or slide are new arrays), with its imbalance verdict (with the
+        flags of the last update); ``n``: the steps read by then, all told."""
         job = _Refit(n)
         flagged = self.flagged if len(self.flagged) == len(self.ranks) else np.zeros(len(self.ranks), dtype=bool)
         ranks, cfg = self.ranks, self.cfg

@@ -24,6 +24,19 @@ def _duration(text: str) -> str:
     return text.strip()
 
 
+def _window_steps(text: str) -> int:
+    """The steps a followed run keeps (``dashboard --window``): a whole number, at least ``live.MIN_WINDOW``."""
+    from stragglerwatch.analysis.live import MIN_WINDOW
+
+    try:
+        steps = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps") from None
+    if steps < MIN_WINDOW:
+        raise argparse.ArgumentTypeError(f"{steps} steps: a window holds at least {MIN_WINDOW}")
+    return steps
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
     print(f"stragglerwatch: warning: {message}", file=sys.stderr)
 
@@ -242,6 +255,10 @@ def _add_dashboard(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, metavar="PORT", default=8050, help="port (default 8050)")
     p.add_argument("--refresh-ms", type=int, metavar="MS", default=500, help="browser refresh period, ms (default 500)")
+    p.add_argument("--window", type=_window_steps, metavar="STEPS",
+                   help="follow a run dir's last STEPS steps only (at least 1024): memory then stays under about "
+                   "1.25 x STEPS x ranks x 190 bytes however long the run, and the report is of those steps "
+                   "(default: every step; `analyze` reads the whole run)")  # fmt: skip
     p.set_defaults(func=run_dashboard)
 
     d = sub.add_parser(

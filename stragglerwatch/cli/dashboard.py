@@ -60,7 +60,7 @@ def run_dashboard(args: Any) -> int:
         if not Path(args.run_dir).is_dir():
             print(f"stragglerwatch: error: {args.run_dir}: not a directory", file=sys.stderr)
             return 2
-        source = RunDirSource(args.run_dir)
+        source = RunDirSource(args.run_dir, window=args.window)
     else:
         print("stragglerwatch: error: give a RUN_DIR, or --prometheus URL --run RUN_ID", file=sys.stderr)
         return 2

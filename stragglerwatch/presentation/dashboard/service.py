@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+from stragglerwatch.analysis.live import MIN_WINDOW
 from stragglerwatch.presentation.dashboard.app import RunRefused, create_app, url_run
 from stragglerwatch.presentation.dashboard.sources import PrometheusSource, RunDirSource
 
@@ -50,6 +51,14 @@ def _number(env: Mapping[str, str], name: str, default: float, lo: float, hi: fl
     return value
 
 
+def _window(env: Mapping[str, str]) -> int:
+    steps = _number(env, "STRAGGLERWATCH_WINDOW_STEPS", 0, 0, 10**9)
+    if 0 < steps < MIN_WINDOW:
+        raise ConfigError(f"STRAGGLERWATCH_WINDOW_STEPS={steps}: a window holds at least {MIN_WINDOW} steps (0: every "
+                          "step)")  # fmt: skip
+    return steps
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     source: str = ""  # STRAGGLERWATCH_SOURCE
@@ -60,6 +69,7 @@ class ServiceConfig:
     max_runs: int = 8  # STRAGGLERWATCH_MAX_RUNS: sources kept at once in a worker
     workers: int = 1  # STRAGGLERWATCH_WORKERS: gunicorn's processes (each reads and analyses its runs)
     threads: int = 8  # STRAGGLERWATCH_THREADS: requests a worker serves at once
+    window_steps: int = 0  # STRAGGLERWATCH_WINDOW_STEPS: a run dir's last steps followed (0: every step)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ServiceConfig:
@@ -73,6 +83,7 @@ class ServiceConfig:
             max_runs=_number(env, "STRAGGLERWATCH_MAX_RUNS", 8, 1, 1000),
             workers=_number(env, "STRAGGLERWATCH_WORKERS", 1, 1, 64),
             threads=_number(env, "STRAGGLERWATCH_THREADS", 8, 1, 256),
+            window_steps=_window(env),
         )
 
     @property
@@ -230,7 +241,7 @@ class Service:
             return PrometheusSource(*self.prometheus)
         assert self.root is not None
         path = run_path(self.root, key) if key else self.root
-        return RunDirSource(path, interval_s=self.config.poll_s)
+        return RunDirSource(path, interval_s=self.config.poll_s, window=self.config.window_steps or None)
 
 
 def create_server(service: Service, title: str = "stragglerwatch") -> Any:

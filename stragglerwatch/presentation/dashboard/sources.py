@@ -90,13 +90,16 @@ SETTLE_AFTER_S = 2.0
 class RunDirSource(_Source):
     """A run dir, followed as the job writes it: each poll reads only the new records and moves the
     analysis on from where it was (``live.LiveRun``); once the run stops growing, the analysis is
-    ``analyze``'s."""
+    ``analyze``'s. With ``window``, of its last ``window`` steps only (``live.LiveRun``'s window: memory bounded
+    whatever the run's length)."""
 
-    def __init__(self, run_dir: str | Path, interval_s: float = 0.5, settle_after_s: float = SETTLE_AFTER_S):
+    def __init__(self, run_dir: str | Path, interval_s: float = 0.5, settle_after_s: float = SETTLE_AFTER_S,
+                 window: int | None = None):  # fmt: skip
         super().__init__(interval_s)
         self.run_dir = Path(run_dir)
-        self.label = str(self.run_dir)
-        self.live = LiveRun(self.run_dir, settle_after_s=settle_after_s)
+        self.live = LiveRun(self.run_dir, settle_after_s=settle_after_s, window=window)
+        held = f" (its last {self.live.window:,} steps)" if self.live.window is not None else ""
+        self.label = f"{self.run_dir}{held}"
 
     def _load(self) -> tuple[Analysis | None, list[dict[str, Any]] | None, bool]:
         if not self.live.update():
