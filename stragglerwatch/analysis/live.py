@@ -125,6 +125,11 @@ SCALAR_RANKS = 256  # ranks the followed run's scalars are estimated from
 SLIDE = 256
 #: The least window: many times the rule's longest look back (``DetectConfig.level_window``).
 MIN_WINDOW = 1024
+
+
+def window_problem(steps: int) -> str | None:
+    """What is wrong with a window of ``steps`` steps (the dashboard's option and variable say it), or None."""
+    return f"a window holds at least {MIN_WINDOW} steps" if steps < MIN_WINDOW else None
 RESERVE = 16384  # steps of room the arrays are made with
 SMALL_PAGES_FROM = 1 << 22  # bytes: a larger array with room is mapped in small pages (``room``)
 OTHER_SUFFIXES = (".jsonl", ".json", ".txt")  # the files besides the logs a report reads (``LiveRun._others``)

@@ -26,14 +26,15 @@ def _duration(text: str) -> str:
 
 def _window_steps(text: str) -> int:
     """The steps a followed run keeps (``dashboard --window``): a whole number, at least ``live.MIN_WINDOW``."""
-    from stragglerwatch.analysis.live import MIN_WINDOW
+    from stragglerwatch.analysis.live import window_problem
 
     try:
         steps = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps") from None
-    if steps < MIN_WINDOW:
-        raise argparse.ArgumentTypeError(f"{steps} steps: a window holds at least {MIN_WINDOW}")
+    problem = window_problem(steps)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{steps} steps: {problem}")
     return steps
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from stragglerwatch.analysis.live import MIN_WINDOW
+from stragglerwatch.analysis.live import window_problem
 from stragglerwatch.presentation.dashboard.app import RunRefused, create_app, url_run
 from stragglerwatch.presentation.dashboard.sources import PrometheusSource, RunDirSource
 
@@ -53,9 +53,9 @@ def _number(env: Mapping[str, str], name: str, default: float, lo: float, hi: fl
 
 def _window(env: Mapping[str, str]) -> int:
     steps = _number(env, "STRAGGLERWATCH_WINDOW_STEPS", 0, 0, 10**9)
-    if 0 < steps < MIN_WINDOW:
-        raise ConfigError(f"STRAGGLERWATCH_WINDOW_STEPS={steps}: a window holds at least {MIN_WINDOW} steps (0: every "
-                          "step)")  # fmt: skip
+    problem = window_problem(steps) if steps else None
+    if problem:
+        raise ConfigError(f"STRAGGLERWATCH_WINDOW_STEPS={steps}: {problem} (0: every step)")
     return steps
 
 
