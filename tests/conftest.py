@@ -464,7 +464,20 @@ def live_prometheus(tmp_path_factory: pytest.TempPathFactory):
              f"--web.listen-address=127.0.0.1:{prom_port}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        yield SimpleNamespace(base=f"http://127.0.0.1:{prom_port}", run=run, run_id=run_id, job=job,
+        base = f"http://127.0.0.1:{prom_port}"
+
+        def lean_scraped() -> bool:
+            try:
+                return len(prom_api(base, f'stragglerwatch_steps_total{{run="{lean.run_id}"}}')) == 4
+            except OSError:  # not listening yet
+                return False
+
+        # the lean run's stall once its ranks are scraped: counted before their first scrape, its counters
+        # are first seen at 1 and no panel shows an increase (CI once started Prometheus 17 s into the
+        # fixture, when the stall was due 20 s in, and found no stall of the culprit)
+        wait_for(lean_scraped, 60, "Prometheus to scrape the lean run's 4 ranks")
+        lean.arm()
+        yield SimpleNamespace(base=base, run=run, run_id=run_id, job=job,
                               lean_run_id=lean.run_id, started=started)  # fmt: skip
     finally:
         lean.close()

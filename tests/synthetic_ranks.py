@@ -5,8 +5,10 @@ real-Prometheus tests, next to the real 4-rank job of ``conftest.live_prometheus
 (``RankCollector`` and ``ContextCollector``, as ``attach`` wires them) and a thread that plays the
 job: 20 steps a second; rank ``slow`` 30 ms a step slower in forward and backward, the others
 waiting for it in the gradient all-reduce (busy time 65 ms against 35 ms); every rank records its
-work (tokens, a different rank the heaviest each step: :func:`tokens`); every ``stall_every_s``
-all ranks stop for ``stall_s``, and after ``watchdog_s`` of it every rank's watchdog counts a
+work (tokens, a different rank the heaviest each step: :func:`tokens`); once :meth:`SyntheticJob.arm`
+is called, ``stall_at_s`` later and every ``stall_every_s`` after that, all ranks stop for ``stall_s``
+(armed only once Prometheus has scraped the ranks: a stall counted before their first scrape shows
+no increase), and after ``watchdog_s`` of it every rank's watchdog counts a
 stall: the slow rank's in ``backward`` (the culprit), the others' in ``allreduce_wait`` (its
 victims), the same story as the real job's. The host context is this process's, sampled for real
 once a second.
@@ -57,7 +59,7 @@ class Watchdog:
 
 class SyntheticJob:
     def __init__(self, run_id: str, ranks: int, base_port: int, sd_dir: Path, *, lean: bool = True, slow: int = 2,
-                 stall_every_s: float = 60.0, stall_at_s: float = 20.0, stall_s: float = 6.0,
+                 stall_every_s: float = 60.0, stall_at_s: float = 3.0, stall_s: float = 6.0,
                  watchdog_s: float = 2.0):  # fmt: skip
         self.run_id, self.slow, self.step = run_id, slow, 0
         self.stall_at_s, self.stall_every_s = stall_at_s, stall_every_s
@@ -74,12 +76,18 @@ class SyntheticJob:
                                 base_port + rank, "127.0.0.1", sd_dir)  # fmt: skip
             exporter.registry.register(ContextCollector(self.sampler, run_id, rank, host, lean=lean))
             self.exporters.append(exporter)
-        self._stop = threading.Event()
+        self._stop, self._armed = threading.Event(), threading.Event()
+        self._armed_at = 0.0
         self._thread = threading.Thread(target=self._play, name="synthetic-job", daemon=True)
         self._thread.start()
 
+    def arm(self) -> None:
+        """Start the stall clock: the first stall comes ``stall_at_s`` from now."""
+        self._armed_at = time.monotonic()
+        self._armed.set()
+
     def _play(self) -> None:
-        t0 = last_sample = time.monotonic()
+        last_sample = time.monotonic()
         stalls_counted = 0
         after_stall = False
         while not self._stop.wait(0.05):
@@ -87,8 +95,9 @@ class SyntheticJob:
             if now - last_sample >= 1.0:
                 self.sampler.sample_once()
                 last_sample = now
-            k, into = divmod(now - t0 - self.stall_at_s, self.stall_every_s)
-            if k >= 0 and into < self.stall_s:  # stalled: no steps; the watchdogs fire after watchdog_s
+            armed = self._armed.is_set()  # before _armed_at is read: arm() sets it first
+            k, into = divmod(now - self._armed_at - self.stall_at_s, self.stall_every_s)
+            if armed and k >= 0 and into < self.stall_s:  # stalled: no steps; the watchdogs fire after watchdog_s
                 if into >= self.watchdog_s and stalls_counted <= k:
                     stalls_counted = int(k) + 1
                     for rank, wd in enumerate(self.watchdogs):

@@ -75,16 +75,12 @@ def sample_as_ours(tid: int | None):
 #: The training thread stands in as a thread of a fresh process (asleep, computing, then a writer thread
 #: saving): the "idle" sample needs a process with no other thread that may run, which a test session that
 #: has run other tests is not (their leftover threads are the job's threads to the sampler, as they should be).
+#: The looks are taken by one thread of ours on its own clock, as the watchdog takes them, while the main
+#: thread waits in a join: a main thread that started a sampler thread for each look was itself caught
+#: runnable at two looks, on a loaded machine, and read as a process waiting for a CPU.
 ACCOUNTS = """
 import json, sys, threading, time
 from stragglerwatch.runtime.hangs.progress import moved, sample
-
-def sample_as_ours(tid):
-    got = []
-    t = threading.Thread(target=lambda: got.append(sample(tid)), name="stragglerwatch-test-sampler")
-    t.start()
-    t.join(30)
-    return got[0]
 
 go, done = threading.Event(), threading.Event()
 
@@ -95,20 +91,6 @@ def training():
         sum(range(1000))
     done.wait(30)
 
-worker = threading.Thread(target=training)
-worker.start()
-tid = worker.ident
-try:
-    a = sample_as_ours(tid)
-    time.sleep(0.3)
-    b = sample_as_ours(tid)
-    go.set()
-    time.sleep(0.4)
-    c = sample_as_ours(tid)
-finally:
-    done.set()
-    worker.join(30)
-
 def writer():
     with open(sys.argv[1], "wb") as f:
         for _ in range(16):
@@ -116,10 +98,30 @@ def writer():
             f.flush()
             time.sleep(0.01)
 
-t = threading.Thread(target=writer)
-t.start()
-t.join()
-d = sample_as_ours(tid)
+worker = threading.Thread(target=training)
+worker.start()
+looks = {}
+
+def sampler():
+    try:
+        looks["a"] = sample(worker.ident)
+        time.sleep(0.3)
+        looks["b"] = sample(worker.ident)
+        go.set()
+        time.sleep(0.4)
+        looks["c"] = sample(worker.ident)
+    finally:
+        done.set()
+    worker.join(30)
+    saver = threading.Thread(target=writer)
+    saver.start()
+    saver.join(30)
+    looks["d"] = sample(worker.ident)
+
+ours = threading.Thread(target=sampler, name="stragglerwatch-test-sampler")
+ours.start()
+ours.join(60)
+a, b, c, d = (looks[k] for k in "abcd")
 print(json.dumps({"idle": moved(a, b), "computing": moved(b, c), "spinning": moved(b, c, waiting=True),
                   "writing": moved(c, d)}))
 """
