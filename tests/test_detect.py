@@ -309,3 +309,46 @@ def test_a_real_run_of_variable_lengths_on_a_crowded_host_names_the_rank_slow_pe
     (s,) = report["stragglers"]
     assert abs(s["first_step"] - 120) <= 40 and s["last_step"] is None and s["slowdown"] > 1.08
     assert report["imbalance"]["unit"] == "tokens" and report["minor"] == []
+
+
+def _host_load(arrays: dict[str, np.ndarray], rows: slice, factor: float | np.ndarray) -> None:
+    """Every rank's compute (and so its busy and step time) ``factor`` times longer over ``rows``: a
+    loaded host, or work that grows along the run."""
+    f = factor[:, None] if np.ndim(factor) else factor
+    for col in ("forward_s", "backward_s", "busy_s", "step_s"):
+        arrays[col][rows] *= f
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_delay_added_while_the_host_is_busy_has_its_onset_where_it_began(seed: int) -> None:
+    """20 ms of data wait from step 10 on, the host three times busier over steps 4-19: the share of the
+    peers' time the delay is shrinks while they are slow, the time it adds does not. (CI, 3 real ranks on
+    a loaded machine: onset 17 for a delay injected at step 10; here, before the fix, 17-20.)"""
+    cfg = SimConfig(ranks=3, steps=60, seed=seed, step_ms=8.0, noise=0.1)
+    a = simulate_arrays(cfg)
+    _host_load(a, slice(4, 20), 3.0)
+    a["data_wait_s"][10:, 1] += 0.02
+    a["busy_s"][10:, 1] += 0.02
+    for col in ("comm_wait_s", "step_s"):
+        a[col][10:] += 0.02
+    a["comm_wait_s"][10:, 1] -= 0.02
+    a["allreduce_wait_s"][10:, [0, 2]] += 0.02
+    (s,) = detect(to_frame(cfg, a)).stragglers
+    assert (s.rank, s.cause) == (1, "data") and 9 <= s.first_step <= 11, s
+
+
+@pytest.mark.parametrize("ramp", [(1.0, 4.0), (4.0, 1.0)])
+def test_a_slower_rank_has_its_onset_where_it_began_while_the_work_grows_or_shrinks(ramp) -> None:
+    """A rank 20% slower in compute from step 150, every rank's work growing (or shrinking) four times
+    along the run: the time it adds over its peers grows with the work, the share it is does not."""
+    cfg = SimConfig(ranks=8, steps=400, seed=1, noise=0.05)
+    a = simulate_arrays(cfg)
+    _host_load(a, slice(None), np.linspace(*ramp, cfg.steps))
+    for col in ("forward_s", "backward_s"):
+        extra = a[col][150:, 3] * 0.2
+        a[col][150:, 3] += extra
+        a["busy_s"][150:, 3] += extra
+        a["step_s"][150:] += extra[:, None]
+        a["comm_wait_s"][150:, [r for r in range(8) if r != 3]] += extra[:, None]
+    (s,) = detect(to_frame(cfg, a)).stragglers
+    assert (s.rank, s.cause) == (3, "compute") and 145 <= s.first_step <= 155, s

@@ -297,10 +297,22 @@ def _look(e: np.ndarray, cfg: DetectConfig) -> int:
     return int(min(LOOK_BACK * cfg.level_window, max(base, need)))
 
 
-def change_point(e: np.ndarray, lo: int, hi: int, level: float, onset: bool) -> int:
-    """Index in [lo, hi] that best splits healthy from slow steps (sign CUSUM)."""
+def change_point(e: np.ndarray, lo: int, hi: int, level: float, onset: bool,
+                 added: tuple[np.ndarray, float] | None = None) -> int:  # fmt: skip
+    """Index in [lo, hi] that best splits healthy from slow steps (sign CUSUM): a step is slow where its
+    excess ``e`` is over half its ``level``, or where ``added`` (a second measure and its level) is.
+
+    Two measures, because a slowdown can be a share of the step or a time added to it. The excess is a
+    share of the peers' time: it stays when a slower GPU's work grows or shrinks, and it shrinks when
+    the peers' own time does (a loaded host, a busier stretch), though the rank's added time stays. A
+    data wait of 20 ms, added while the host was busy, read as less than half the share it read once
+    the host was quiet, and put the onset eight steps late. The time added over the peers stays there,
+    and shrinks when the work does. A step slow by either is slow."""
     seg = e[lo : hi + 1]
-    signs = np.where(np.isnan(seg), 0.0, np.where(seg > level / 2, 1.0, -1.0))
+    slow = seg > level / 2
+    if added is not None and added[1] > 0:
+        slow |= added[0][lo : hi + 1] > added[1] / 2
+    signs = np.where(np.isnan(seg), 0.0, np.where(slow, 1.0, -1.0))
     if onset:  # slow from c on: maximise the sum over [c, hi]
         scores = np.cumsum(signs[::-1])[::-1]
     else:  # slow until c: maximise the sum over [lo, c]
@@ -336,11 +348,17 @@ def describe(series: RankSeries, start: int, end: int | None, cfg: DetectConfig,
     level = float(np.nanmedian(e[start : stop + 1]))
     mean = _winsorised_mean(e[start : stop + 1])
     intermittent = level < 0.5 * mean  # slow in one step of a few (``intermittent.py``): its onset and
+    added = None
     if intermittent:  # end are where its mean over a few steps changes
         e, level = _centred_mean(e, BLOCK), mean
-    first = change_point(e, max(after, start - _look(e, cfg)), start, level, onset=True)
+    else:  # the time it adds over its peers (``e`` is busy / theirs - 1): for a delay added on a busy host
+        with np.errstate(divide="ignore", invalid="ignore"):
+            over = series.busy * e / (1.0 + e)
+        added = (over, float(np.nanmedian(over[start : stop + 1])))
+    first = change_point(e, max(after, start - _look(e, cfg)), start, level, onset=True, added=added)
     look = outlasts(cfg)
-    last = None if end is None else min(end - 1, change_point(e, max(first, end - look), end, level, onset=False))
+    last = (None if end is None else
+            min(end - 1, change_point(e, max(first, end - look), end, level, onset=False, added=added)))  # fmt: skip
     span = slice(first, (last if last is not None else stop) + 1)
     if intermittent:  # its busy time over its peers' in all (its median step is not a slow one)
         ok = np.isfinite(series.busy[span]) & np.isfinite(series.ref_h[span])
