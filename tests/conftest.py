@@ -84,11 +84,26 @@ FULL_ONLY = ("full", "distributed", "install")
 FULL_FIXTURES = {"browser", "runs_service", "cluster", "live_prometheus"}
 
 
+#: Test files whose outcome no wall-clock timing decides: installs into fresh venvs, the documentation (its
+#: examples must exit 0; its site must build), and analyses of arrays held in memory. ``scripts/test.sh``
+#: runs them in a second session at the lowest CPU priority beside the others (``--part``), on the CPU
+#: time the multi-rank jobs leave idle, without taking it from them.
+BESIDE = frozenset({
+    "test_wheel.py", "test_install.py", "test_docs.py", "test_detect.py", "test_imbalance.py", "test_cost.py",
+    "test_fuzz.py", "test_timing.py", "test_settings.py", "test_simulate_heldout.py", "test_simulate_imbalance.py",
+    "test_consistency.py", "test_explain.py", "test_eventlog.py", "test_jittertax.py", "test_reportschema.py",
+    "test_traces.py", "test_runmatrix.py", "test_advice.py", "test_attempts.py",
+})  # fmt: skip
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--full", action="store_true", default=False,
                      help="run the whole suite, as CI does: also the tests marked full, distributed or install "
                           "(real multi-rank jobs, Prometheus, Chromium, installs). Without it: the fast unit and "
                           "single-process tests only")  # fmt: skip
+    parser.addoption("--part", choices=("all", "main", "beside"), default="all",
+                     help="all (default); beside: only the test files no timing decides (conftest.BESIDE), which "
+                          "scripts/test.sh runs at low priority beside the others; main: the others")  # fmt: skip
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -108,6 +123,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = [item for item in items if item not in set(dropped)]
+    part = config.getoption("--part")
+    if part != "all":
+        other = [item for item in items if (item.path.name in BESIDE) != (part == "beside")]
+        if other:
+            config.hook.pytest_deselected(items=other)
+            items[:] = [item for item in items if item not in set(other)]
     live = [item for item in items if "live_prometheus" in getattr(item, "fixturenames", ())]
     items[:] = [item for item in items if item not in live] + live
 

@@ -37,7 +37,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 EXAMPLES = DOCS / "examples"
-TIMEOUT_S = 120
+#: Seconds a block may run: a bound on a hang, no speed goal (the docs are tested at the lowest CPU priority
+#: beside the multi-rank jobs: ``conftest.BESIDE``; a block takes 10 s at most alone).
+TIMEOUT_S = 300
 #: fragments (blocks that cannot run alone) allowed in all the pages together
 MAX_FRAGMENTS = 3
 
