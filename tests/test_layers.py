@@ -243,3 +243,11 @@ def test_python_m_on_an_old_path_runs_the_moved_module() -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--slow-rank" in proc.stdout, proc.stderr[-2000:]
     assert "stragglerwatch.demo_job is deprecated" in proc.stderr and "stragglerwatch.cli.demo_job" in proc.stderr
+
+
+def test_the_files_run_beside_are_test_files() -> None:
+    """``conftest.BESIDE`` names files that exist (a renamed file would silently leave it)."""
+    from conftest import BESIDE
+
+    tests = Path(__file__).resolve().parent
+    assert sorted(name for name in BESIDE if not (tests / name).is_file()) == []
