@@ -113,23 +113,26 @@ def pytest_report_header(config: pytest.Config) -> str:
     return "stragglerwatch: the fast suite (unit and single-process tests); --full runs everything, as CI does"
 
 
+def _deselect(config: pytest.Config, items: list[pytest.Item], drop: Any) -> None:
+    """Leave out (and report as deselected) the items for which ``drop(item)`` is true."""
+    dropped = [item for item in items if drop(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item not in set(dropped)]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Without ``--full`` (and without ``-m``), the full-only tests are deselected. The tests on the live
-    Prometheus job run last and together: its 4 ranks train in the background from the first of them to
-    the end of the session, and no other multi-rank job may compete with them for this machine's cores
-    (that noise once made a healthy rank look slow), nor they with it."""
+    """Without ``--full`` (and without ``-m``), the full-only tests are deselected; with ``--part``, the
+    other part's files. The tests on the live Prometheus job run last and together: its 4 ranks train in
+    the background from the first of them to the end of the session, and no other multi-rank job may
+    compete with them for this machine's cores (that noise once made a healthy rank look slow), nor they
+    with it."""
     if not config.getoption("--full") and not config.getoption("-m"):
-        dropped = [item for item in items if any(item.get_closest_marker(m) for m in FULL_ONLY)
-                   or FULL_FIXTURES & set(getattr(item, "fixturenames", ()))]  # fmt: skip
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-            items[:] = [item for item in items if item not in set(dropped)]
+        _deselect(config, items, lambda item: any(item.get_closest_marker(m) for m in FULL_ONLY)
+                  or FULL_FIXTURES & set(getattr(item, "fixturenames", ())))  # fmt: skip
     part = config.getoption("--part")
     if part != "all":
-        other = [item for item in items if (item.path.name in BESIDE) != (part == "beside")]
-        if other:
-            config.hook.pytest_deselected(items=other)
-            items[:] = [item for item in items if item not in set(other)]
+        _deselect(config, items, lambda item: (item.path.name in BESIDE) != (part == "beside"))
     live = [item for item in items if "live_prometheus" in getattr(item, "fixturenames", ())]
     items[:] = [item for item in items if item not in live] + live
 
