@@ -215,4 +215,16 @@ def test_real_prometheus_scrapes_a_straggler_job(live_prometheus) -> None:
         frame = frame_from_prometheus(base, run_id, minutes=2, window="5s", step_seconds=1)
         assert set(frame["rank"]) == {0, 1, 2, 3}
         verdict = detect(frame, DetectConfig(window=8, confirm=3))
-        assert [s.rank for s in verdict.stragglers] == [2], mode
+        found = {s.rank: s for s in verdict.stragglers}
+        assert 2 in found and max(found.values(), key=lambda s: s.slowdown).rank == 2, (mode, verdict.stragglers)
+        # a real 4-rank job on 2 shared cores: another rank may truly run slower for a stretch of these 2 minutes
+        # (CI: rank 1 7% slower than ranks 0 and 3 over 19 of the 5 s means). Flagged, it must be slower in the
+        # frame itself by more than the documented 5% tolerance, against the ranks neither flagged
+        for rank, s in found.items():
+            if rank == 2:
+                continue
+            span = frame[(frame["step"] >= s.first_step) & (frame["step"] <= (s.last_step or frame["step"].max()))]
+            mine = span.loc[span["rank"] == rank, "busy_s"].median()
+            theirs = span.loc[~span["rank"].isin(found), "busy_s"].median()
+            said = f"{mode}: rank {rank} flagged at {mine * 1e3:.1f} ms a step, the others {theirs * 1e3:.1f}"
+            assert mine > 1.05 * theirs, said
