@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from stragglerwatch._version import __version__
+from stragglerwatch.cli.memory import avoid_compaction_stalls
 from stragglerwatch.presentation.summary import render_summary, summary_dict
 from stragglerwatch.record.steplog import RunDirError
 
@@ -544,6 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stragglerwatch {args.command}: error: {why}", file=sys.stderr)
         return 2
     warnings.showwarning = _show_warning
+    avoid_compaction_stalls()  # the process is ours: no kernel stall on each large array (memory.py)
     try:
         return args.func(args)
     except RunDirError as exc:
