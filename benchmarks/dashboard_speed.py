@@ -42,18 +42,20 @@ from stragglerwatch.analysis.detect import detect, to_matrix
 from stragglerwatch.analysis.live import LiveRun
 from stragglerwatch.analysis.report import Analysis, RankFigures, analyze_run, build_report
 from stragglerwatch.presentation.dashboard import Snapshot
-from stragglerwatch.presentation.dashboard.app import render
+from stragglerwatch.presentation.dashboard.app import create_app, render
 from stragglerwatch.presentation.dashboard.sources import RunDirSource
 from stragglerwatch.record.simulate import GrowingRun, Injection, SimConfig, to_frame
 
 POLL_S = inspect.signature(RunDirSource).parameters["interval_s"].default  # the dashboard's default
-REFRESH_S = 0.5  # the page's default refresh period (``--refresh-ms 500``)
+REFRESH_S = inspect.signature(create_app).parameters["refresh_ms"].default / 1000  # the page's default period
+FIGURES = ("heatmap", "breakdown", "band", "context", "events", "work", "imbalance")
 
 
 def to_json(out: dict) -> int:
-    """The JSON Dash sends for one refresh; its size in bytes."""
-    payload = [pio.to_json(out[k], validate=False) for k in ("heatmap", "breakdown", "band", "events")]
-    payload.append(json.dumps({"rows": out["rows"], "options": out["options"]}, cls=PlotlyJSONEncoder))
+    """The JSON Dash sends for one refresh (every figure, the table and the rank picker); its size in bytes."""
+    payload = [pio.to_json(out[k], validate=False) for k in FIGURES]
+    rest = {k: v for k, v in out.items() if k not in FIGURES}
+    payload.append(json.dumps(rest, cls=PlotlyJSONEncoder))
     return sum(len(x) for x in payload)
 
 
@@ -125,7 +127,7 @@ def end_to_end(cfg: SimConfig, first: int, flush_steps: int, poll_s: float, step
         same = report == json.loads(json.dumps(analyze_run(run).report)) if not steps_kept else None
         print(f"end-to-end: worst {worst:.2f} s; payload {size / 1e6:.2f} MB; plus up to the page's refresh "
               f"period (the dashboard's default: {REFRESH_S} s) until the browser asks: a flush shows in about "
-              f"{statistics.median(totals) + REFRESH_S / 2:.1f} s typically (median + half the period), within "
+              f"{statistics.median(totals) + REFRESH_S / 2:.2f} s typically (median + half the period), within "
               f"{worst + REFRESH_S:.1f} s at worst")  # fmt: skip
         total, adjusted = held(source.live)
         records = cfg.ranks * source.live.data.n

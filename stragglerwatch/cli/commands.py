@@ -256,7 +256,7 @@ def _add_dashboard(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run", metavar="RUN_ID", help="the run id (the `run` label) to show from Prometheus")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, metavar="PORT", default=8050, help="port (default 8050)")
-    p.add_argument("--refresh-ms", type=int, metavar="MS", default=500, help="browser refresh period, ms (default 500)")
+    p.add_argument("--refresh-ms", type=int, metavar="MS", default=250, help="browser refresh period, ms (default 250)")
     p.add_argument("--window", type=_window_steps, metavar="STEPS",
                    help="follow a run dir's last STEPS steps only (at least 1024): memory then stays under about "
                    "1.25 x STEPS x ranks x 190 bytes however long the run, and the report is of those steps "

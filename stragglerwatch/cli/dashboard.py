@@ -17,7 +17,7 @@ from stragglerwatch._extras import message, missing
 class DashboardServer:
     """The Dash app of ``source`` served on ``host:port`` from a background thread."""
 
-    def __init__(self, source: Any, host: str = "127.0.0.1", port: int = 8050, refresh_ms: int = 500):
+    def __init__(self, source: Any, host: str = "127.0.0.1", port: int = 8050, refresh_ms: int = 250):
         from werkzeug.serving import make_server  # dash's; imported here so the command line loads without it
 
         from stragglerwatch.presentation.dashboard import create_app

@@ -24,6 +24,8 @@ MAX_BARS = 64
 SAMPLE_ROWS = 2048
 #: Ranks the peers' band of a busy time line is drawn from at most: past it, as many spread over the ranks.
 SAMPLE_RANKS = 512
+#: Ranks whose steps are binned at once (``_reduce``): a chunk of 2,048 steps is 2 MB of float64.
+RANK_CHUNK = 128
 PHASES = (
     ("data_wait_s", "data wait", "#8c564b"),
     ("forward_s", "forward", "#1f77b4"),
@@ -69,10 +71,10 @@ def _reduce(a: np.ndarray, starts: np.ndarray, axis: int, how: str) -> np.ndarra
     NaN for a bin with none."""
     if len(starts) == a.shape[axis]:
         return a
+    if axis == 0 and a.ndim == 2 and a.strides[0] == a.itemsize:
+        return _binned_steps(a, None, starts, how)
     if axis == 0:  # one reduction per bin of contiguous rows: ufunc.reduceat across rows is ten times slower
-        # rows laid out one after the other: a bin's rows are added row by row, where in a column-major array
-        # each column of the bin would be a small reduction of its own (the copy costs less than they do)
-        a = np.ascontiguousarray(a)
+        a = np.ascontiguousarray(a)  # rows laid out one after the other: a bin's rows are added row by row
         ends = np.append(starts[1:], a.shape[0])
         return np.stack([_reduce_rows(a[s:e], how) for s, e in zip(starts, ends, strict=True)])
     with np.errstate(all="ignore"):
@@ -84,6 +86,21 @@ def _reduce(a: np.ndarray, starts: np.ndarray, axis: int, how: str) -> np.ndarra
         counts = np.add.reduceat(finite, starts, axis=axis, dtype=np.int64)
         sums = np.add.reduceat(np.where(finite, a, 0.0), starts, axis=axis)
         return sums / np.where(counts == 0, np.nan, counts)
+
+
+def _binned_steps(a: np.ndarray, rows: np.ndarray | None, starts: np.ndarray, how: str) -> np.ndarray:
+    """:func:`_reduce` of ``a[rows]`` (``rows`` None: every row) along the steps (axis 0). Where each rank's steps
+    lie together (the run's column-major matrix, or its first rows), along them, a few ranks at a time, whose
+    temporaries (and the rows read) stay in the caches: copied whole to row-major first, the matrix was tens of
+    MB, written out and mapped anew."""
+    if a.ndim != 2 or a.strides[0] != a.itemsize:
+        return _reduce(a if rows is None else a[rows], starts, 0, how)
+    out = np.empty((len(starts), a.shape[1]))
+    t = a.T
+    for lo in range(0, t.shape[0], RANK_CHUNK):
+        chunk = t[lo : lo + RANK_CHUNK]
+        out[:, lo : lo + RANK_CHUNK] = _reduce(chunk if rows is None else chunk[:, rows], starts, 1, how).T
+    return out
 
 
 def _reduce_rows(block: np.ndarray, how: str) -> np.ndarray:
@@ -123,7 +140,7 @@ def heatmap(mat: StepMatrix, verdict: Verdict) -> go.Figure:
     sb = _bins(z.shape[0], MAX_STEP_COLS)
     rb = _bins(z.shape[1], MAX_RANK_ROWS)
     rows, starts = _sampled(z.shape[0], sb)
-    z = _reduce(_reduce(z if rows is None else z[rows], starts, 0, "mean"), rb, 1, "max").T
+    z = _reduce(_binned_steps(z, rows, starts, "mean"), rb, 1, "max").T
     ranks = mat.ranks[rb] if len(rb) else mat.ranks
     label = "rank" if len(rb) == len(mat.ranks) else "first rank of bin"
     # scale to the stragglers, not to one-step spikes
@@ -255,10 +272,18 @@ def work_column(mat: StepMatrix, verdict: Verdict | None = None) -> str | None:
     ``work``, or the input's padded shape ``work_elements``), else the first recorded; None: neither."""
 
     def recorded(col: str) -> bool:
-        return col in mat.values and bool(np.isfinite(mat.values[col]).any())
+        return col in mat.values and _any_finite(mat.values[col])
 
     fitted = getattr(getattr(verdict, "imbalance", None), "column", None)
     return next((c for c in (fitted, "work", "work_elements") if c and recorded(c)), None)
+
+
+def _any_finite(a: np.ndarray) -> bool:
+    """Whether ``a`` (steps x ranks) holds a finite value, looked for a few ranks at a time: a column recorded has one
+    in its first ranks, and the matrix is not read whole at every refresh."""
+    if a.ndim != 2:
+        return bool(np.isfinite(a).any())
+    return any(np.isfinite(a[:, lo : lo + RANK_CHUNK]).any() for lo in range(0, a.shape[1], RANK_CHUNK))
 
 
 def has_work(mat: StepMatrix) -> bool:
@@ -282,7 +307,7 @@ def work_heatmap(mat: StepMatrix, unit: str | None = None, verdict: Verdict | No
     sb = _bins(z.shape[0], MAX_STEP_COLS)
     rb = _bins(z.shape[1], MAX_RANK_ROWS)
     rows, starts = _sampled(z.shape[0], sb)
-    z = _reduce(_reduce(z if rows is None else z[rows], starts, 0, "mean"), rb, 1, "max").T
+    z = _reduce(_binned_steps(z, rows, starts, "mean"), rb, 1, "max").T
     ranks = mat.ranks[rb] if len(rb) else mat.ranks
     label = "rank" if len(rb) == len(mat.ranks) else "first rank of bin"
     title = f"Work per step ({unit}), rank x step"

@@ -154,7 +154,7 @@ def render(snapshot: Snapshot, rank: int | None) -> dict[str, Any]:
 
 def create_app(
     source: Any,
-    refresh_ms: int = 500,
+    refresh_ms: int = 250,
     title: str = "stragglerwatch",
     runs: Callable[[], list[str]] | None = None,
     extend: Callable[[Any], None] | None = None,

@@ -64,8 +64,8 @@ class ServiceConfig:
     source: str = ""  # STRAGGLERWATCH_SOURCE
     host: str = "127.0.0.1"  # STRAGGLERWATCH_HOST: loopback unless configured
     port: int = 8050  # STRAGGLERWATCH_PORT
-    refresh_ms: int = 500  # STRAGGLERWATCH_REFRESH_MS: the page's refresh period
-    poll_s: float = 0.5  # STRAGGLERWATCH_POLL_S: how often a source looks for new records
+    refresh_ms: int = 250  # STRAGGLERWATCH_REFRESH_MS: the page's refresh period
+    poll_s: float = 0.25  # STRAGGLERWATCH_POLL_S: how often a source looks for new records
     max_runs: int = 8  # STRAGGLERWATCH_MAX_RUNS: sources kept at once in a worker
     workers: int = 1  # STRAGGLERWATCH_WORKERS: gunicorn's processes (each reads and analyses its runs)
     threads: int = 8  # STRAGGLERWATCH_THREADS: requests a worker serves at once
@@ -78,8 +78,8 @@ class ServiceConfig:
             source=env.get("STRAGGLERWATCH_SOURCE", "").strip(),
             host=env.get("STRAGGLERWATCH_HOST", "").strip() or "127.0.0.1",
             port=_number(env, "STRAGGLERWATCH_PORT", 8050, 0, 65535),
-            refresh_ms=_number(env, "STRAGGLERWATCH_REFRESH_MS", 500, 200, 3_600_000),
-            poll_s=_number(env, "STRAGGLERWATCH_POLL_S", 0.5, 0.1, 3600, float),
+            refresh_ms=_number(env, "STRAGGLERWATCH_REFRESH_MS", 250, 200, 3_600_000),
+            poll_s=_number(env, "STRAGGLERWATCH_POLL_S", 0.25, 0.1, 3600, float),
             max_runs=_number(env, "STRAGGLERWATCH_MAX_RUNS", 8, 1, 1000),
             workers=_number(env, "STRAGGLERWATCH_WORKERS", 1, 1, 64),
             threads=_number(env, "STRAGGLERWATCH_THREADS", 8, 1, 256),

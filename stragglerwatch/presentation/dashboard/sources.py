@@ -93,7 +93,7 @@ class RunDirSource(_Source):
     ``analyze``'s. With ``window``, of its last ``window`` steps only (``live.LiveRun``'s window: memory bounded
     whatever the run's length)."""
 
-    def __init__(self, run_dir: str | Path, interval_s: float = 0.5, settle_after_s: float = SETTLE_AFTER_S,
+    def __init__(self, run_dir: str | Path, interval_s: float = 0.25, settle_after_s: float = SETTLE_AFTER_S,
                  window: int | None = None):  # fmt: skip
         super().__init__(interval_s)
         self.run_dir = Path(run_dir)
