@@ -361,3 +361,81 @@ def test_the_peers_band_of_thousands_of_ranks_is_drawn_from_a_spread_sample(monk
         assert np.median(np.abs(ours / whole - 1.0)) < 0.01 and np.max(np.abs(ours / whole - 1.0)) < 0.03
     assert np.array_equal(np.array(sampled.data[3].y), np.array(every.data[3].y)), "the rank's own line: every step"
     assert np.median(np.array(sampled.data[3].y) / np.array(sampled.data[2].y)) > 1.25  # it stands out
+
+
+def test_the_page_s_content_is_made_ahead_as_soon_as_the_source_holds_a_new_analysis() -> None:
+    """Once a page asked for a source, its content for the page's rank is made on a thread as soon as the source
+    holds a new snapshot: the page's next ask gets it without making it again, and an ask while it is being made
+    waits for it. A source no page asks for is no longer followed."""
+    import threading
+
+    from stragglerwatch.analysis.report import empty_analysis
+    from stragglerwatch.presentation.dashboard.prerender import Prerender
+
+    class Source:
+        label = "run-a"
+
+        def __init__(self) -> None:
+            self.snap = Snapshot(empty_analysis(), version=1)
+
+        def snapshot(self) -> Snapshot:
+            return self.snap
+
+    made: list[tuple[int, int]] = []
+    slow = threading.Event()
+
+    def make(snap: Snapshot, rank: int) -> dict:
+        made.append((snap.version, rank))
+        if snap.version == 3:
+            slow.wait(5)  # being made while the page asks
+        return {"version": snap.version, "rank": rank}
+
+    source, ahead = Source(), Prerender(make, look_s=0.01, keep_s=2.0)
+    assert ahead.content(source, source.snapshot(), 7) == {"version": 1, "rank": 7}
+    assert ahead.content(source, source.snapshot(), 7) == {"version": 1, "rank": 7} and made == [(1, 7)]
+    source.snap = Snapshot(empty_analysis(), version=2)  # the source's update: no page asks meanwhile
+    wait_for(lambda: (ahead.made("run-a") or ((0, 0), None))[0] == (2, 7), 10, "the content of version 2")
+    assert made == [(1, 7), (2, 7)], "made on the thread, for the rank the page showed"
+    assert ahead.content(source, source.snapshot(), 7) == {"version": 2, "rank": 7} and len(made) == 2
+    source.snap = Snapshot(empty_analysis(), version=3)
+    wait_for(lambda: (3, 7) in made, 10, "the making of version 3")
+    asked: list[dict] = []
+    page = threading.Thread(target=lambda: asked.append(ahead.content(source, source.snapshot(), 7)))
+    page.start()
+    time.sleep(0.1)
+    assert not asked, "the page waits for the content being made"
+    slow.set()
+    page.join(10)
+    assert asked == [{"version": 3, "rank": 7}] and made.count((3, 7)) == 1, "not made twice"
+    assert ahead.content(source, source.snapshot(), 2) == {"version": 3, "rank": 2}, "another rank: made for it"
+    wait_for(lambda: ahead.made("run-a") is None, 10, "the source dropped")  # no page asked for 2 s
+    source.snap = Snapshot(empty_analysis(), version=4)
+    time.sleep(0.2)
+    assert (4, 2) not in made
+
+
+def test_content_that_failed_to_be_made_is_made_again_at_the_next_ask() -> None:
+    """A failure to make the page's content is the page's error for that ask, not for good."""
+    from stragglerwatch.analysis.report import empty_analysis
+    from stragglerwatch.presentation.dashboard.prerender import Prerender
+
+    class Source:
+        label = "run-b"
+        snap = Snapshot(empty_analysis(), version=1)
+
+        def snapshot(self) -> Snapshot:
+            return self.snap
+
+    calls: list[int] = []
+
+    def make(snap: Snapshot, rank: int) -> dict:
+        calls.append(rank)
+        if len(calls) == 1:
+            raise RuntimeError("the arrays moved")
+        return {"rank": rank}
+
+    ahead = Prerender(make, look_s=0.01, keep_s=1.0)
+    with pytest.raises(RuntimeError, match="the arrays moved"):
+        ahead.content(Source(), Source.snap, 3)
+    assert ahead.content(Source(), Source.snap, 3) == {"rank": 3}
+    assert ahead.content(Source(), Source.snap, 3) == {"rank": 3} and calls == [3, 3]

@@ -1,7 +1,8 @@
 """The Dash app: layout, component ids and one refresh callback over a source's snapshot.
 
 Design: ``render(snapshot, rank)`` is a pure function from a snapshot to every
-component's content (the callback only calls it), so it is tested and
+component's content (the callback only asks for it, made ahead by ``prerender.py``
+where the source's new analysis came before the page's refresh), so it is tested and
 benchmarked without a browser. Figures carry a ``uirevision`` that stays the
 same for a run, so a refresh keeps the user's zoom; the rank selection is a
 component value, which a refresh never resets. A service of many runs passes a
@@ -19,6 +20,7 @@ from dash import Dash, Input, Output, State, dash_table, dcc, html, no_update
 
 from stragglerwatch.presentation import figures
 from stragglerwatch.presentation.ctxfigure import context_figure
+from stragglerwatch.presentation.dashboard.prerender import Prerender
 from stragglerwatch.presentation.dashboard.sources import Snapshot
 from stragglerwatch.presentation.render import verdict_lines
 
@@ -165,6 +167,7 @@ def create_app(
     ``extend``: called with the Flask server to add its own hooks, before the app is set up to serve
     (Flask takes no hook after its first request, and the app makes one: see :func:`set_up_now`)."""
     pick: Callable[[str | None], Any] = (lambda run: source) if hasattr(source, "snapshot") else source
+    ahead = Prerender(render)  # each shown source's content made as soon as it holds a new analysis
     fixed = source.label if hasattr(source, "snapshot") else ""
     app = Dash(__name__, title=title, update_title=None)
     graph = {"config": {"displaylogo": False}, "style": {"height": "420px"}}
@@ -232,7 +235,7 @@ def create_app(
             return (no_update,) * 2 + (status,) + (no_update,) * 14
         if rank is None or (seen or {}).get("source") != src.label:
             rank = default_rank(snap)
-        out = render(snap, rank)
+        out = ahead.content(src, snap, rank)
         children, style = banner(snap, src.label)
         return (children, style, status, f"stragglerwatch: {src.label}", out["heatmap"], out["breakdown"],
                 out["band"], out["context"], out["events"], out["work"], out["imbalance"], out["work_style"],
