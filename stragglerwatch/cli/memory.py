@@ -4,8 +4,8 @@ numpy asks the kernel for transparent huge pages (``madvise(MADV_HUGEPAGE)``) fo
 Where the kernel then compacts memory at the page fault to find them (``transparent_hugepage/defrag`` set to
 ``always``, ``madvise`` or ``defer+madvise``, the first two common defaults) and memory is fragmented, every
 fresh large array stalls in the kernel, and an analysis makes hundreds of them (each a few tens of MB: a column of
-steps x ranks). Measured on ``analyze`` of 1,024 ranks x 10,000 steps with work recorded: 6.0 s of system time
-with numpy's huge pages, 3.5 s without, and the wall time 10 % shorter (``benchmarks/throughput.py``).
+steps x ranks). Measured on ``analyze`` of 1,024 ranks x 10,000 steps with work recorded, in turns: 12.2 s with
+numpy's huge pages (7.2 s of it system time), 9.9 s without (2.7 s); docs/accuracy-overhead.md.
 
 Only the command-line process (``analyze``, ``dashboard``, ...) turns them off, where the kernel stalls for them:
 inside a training process (``attach``, the policy thread) numpy's settings stay the user's.

@@ -71,7 +71,7 @@ def _reduce(a: np.ndarray, starts: np.ndarray, axis: int, how: str) -> np.ndarra
     NaN for a bin with none."""
     if len(starts) == a.shape[axis]:
         return a
-    if axis == 0 and a.ndim == 2 and a.strides[0] == a.itemsize:
+    if axis == 0 and _steps_together(a):
         return _binned_steps(a, None, starts, how)
     if axis == 0:  # one reduction per bin of contiguous rows: ufunc.reduceat across rows is ten times slower
         a = np.ascontiguousarray(a)  # rows laid out one after the other: a bin's rows are added row by row
@@ -88,12 +88,18 @@ def _reduce(a: np.ndarray, starts: np.ndarray, axis: int, how: str) -> np.ndarra
         return sums / np.where(counts == 0, np.nan, counts)
 
 
+def _steps_together(a: np.ndarray) -> bool:
+    """Whether each rank's steps lie one after the other in memory (a column-major steps x ranks array, or its first
+    rows)."""
+    return a.ndim == 2 and a.strides[0] == a.itemsize
+
+
 def _binned_steps(a: np.ndarray, rows: np.ndarray | None, starts: np.ndarray, how: str) -> np.ndarray:
     """:func:`_reduce` of ``a[rows]`` (``rows`` None: every row) along the steps (axis 0). Where each rank's steps
     lie together (the run's column-major matrix, or its first rows), along them, a few ranks at a time, whose
     temporaries (and the rows read) stay in the caches: copied whole to row-major first, the matrix was tens of
     MB, written out and mapped anew."""
-    if a.ndim != 2 or a.strides[0] != a.itemsize:
+    if not _steps_together(a):
         return _reduce(a if rows is None else a[rows], starts, 0, how)
     out = np.empty((len(starts), a.shape[1]))
     t = a.T
