@@ -352,3 +352,28 @@ def test_a_slower_rank_has_its_onset_where_it_began_while_the_work_grows_or_shri
         a["comm_wait_s"][150:, [r for r in range(8) if r != 3]] += extra[:, None]
     (s,) = detect(to_frame(cfg, a)).stragglers
     assert (s.rank, s.cause) == (3, "compute") and 145 <= s.first_step <= 155, s
+
+
+def test_intermittent_stretches_are_the_flags_they_mark() -> None:
+    """The stretches a live update ORs into its flags mark the same steps as the dense flags, and ``within``
+    answers what a slice of the dense flags answers, open intervals included."""
+    from stragglerwatch.analysis.intermittent import BLOCK, intermittent_flags, mark, stretches, within
+    from stragglerwatch.analysis.thresholds import Floors
+
+    rng = np.random.default_rng(3)
+    nb, r = 40, 6
+    means = rng.normal(0.0, 0.005, (nb, r))
+    means[4:14, 1] = 0.2  # slow for ten blocks, then back
+    means[20:, 4] = 0.2  # slow to the end
+    means[2:30:3, 5] = 0.2  # every third block: never six in a row
+    held = np.ones((nb, r), dtype=bool)
+    n = nb * BLOCK + 3
+    args = (n, means, held, 0.01, Floors(0.05, 0.02, 0.05), DetectConfig(), r)
+    found = stretches(*args)
+    dense = intermittent_flags(*args)
+    assert sorted({j for j, _, _ in found}) == [1, 4]
+    assert np.array_equal(mark(np.zeros((n, r), dtype=bool), found), dense)
+    assert dense[-1, 4] and not dense[-1, 1]
+    for j in range(r):
+        for a, b in [(0, 40), (40, 100), (100, 120), (150, None), (0, None), (n - 1, None)]:
+            assert within(found, j, a, b) == bool(dense[a:b, j].any()), (j, a, b)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from stragglerwatch.analysis.report import analyze_run
-from stragglerwatch.analysis.reportschema import REPORT_SCHEMA, Report, StragglerEntry
+from stragglerwatch.analysis.reportschema import _FLAT, REPORT_SCHEMA, RankRow, Report, StragglerEntry, _plain
 from stragglerwatch.evidence.traces import analyze_trace
 from stragglerwatch.record.simulate import Injection, SimConfig, write_run
 
@@ -36,3 +37,18 @@ def test_a_trace_report_keeps_its_what_if_as_extra():
 def test_another_schema_is_refused():
     with pytest.raises(ValueError, match=REPORT_SCHEMA):
         Report.from_dict({"schema": "stragglerwatch-report/0"})
+
+
+def test_a_rank_row_becomes_the_dict_of_its_fields_in_their_order():
+    row = RankRow(rank=3, host="node-1", role=None, steps=12, step_ms=1.5, busy_ms=1.25, comm_wait_ms=None,
+                  data_wait_ms=0.5, forward_ms=0.25, backward_ms=0.5, allreduce_wait_ms=None, collective_wait_ms=0.0,
+                  eval_ms=None, optimizer_ms=0.125, other_ms=0.0, busy_vs_peers=1.0625, flagged=True)  # fmt: skip
+    row.work, row.busy_per_work_us = 4096.0, 0.3
+    plain = _plain([row])[0]
+    assert plain == dataclasses.asdict(row) and list(plain) == [f.name for f in dataclasses.fields(RankRow)]
+    assert plain is not row.__dict__
+    # the copy of the attributes is the dict of the fields only for rows whose every field is a scalar
+    scalars = {"int", "float", "str", "bool", "None"}
+    for kind in _FLAT:
+        for f in dataclasses.fields(kind):
+            assert set(str(f.type).replace(" ", "").split("|")) <= scalars, (kind.__name__, f.name, f.type)

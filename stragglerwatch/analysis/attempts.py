@@ -162,15 +162,16 @@ def _ended(a: dict[str, Any], events: list[dict[str, Any]], last_own: Mapping[in
 
 def describe(attempts: list[dict[str, Any]], rank_meta: Mapping[int, Mapping[str, Any]],
              events: list[dict[str, Any]], last_own: Mapping[Key, Mapping[int, int]],
-             step_seconds: np.ndarray | None, step_lost: np.ndarray | None, steps: np.ndarray
-             ) -> list[dict[str, Any]]:  # fmt: skip
+             step_seconds: np.ndarray | None, step_lost: np.ndarray | None, steps: np.ndarray,
+             m: list[dict[int, dict[str, Any]]] | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """The report's attempts: each one's ``world_size``, ``ranks`` (that recorded), ``nodes``, the ranks and
     nodes that ``joined`` and ``left`` since the attempt before, its ``world`` (a new one where the ranks or
     their nodes changed), why it ``ended``, and its cost: ``job_seconds``, ``lost_seconds`` and
     ``lost_gpu_seconds`` (its lost time times its own world size). ``last_own``: per attempt, each rank's
     last step there (the run's numbering); ``step_seconds``/``step_lost``: per step of ``steps``, the job's
-    time and the time lost to stragglers, jitter and unequal groups (``detect.Verdict``)."""
-    m = members(attempts, rank_meta)
+    time and the time lost to stragglers, jitter and unequal groups (``detect.Verdict``); ``m``: the attempts'
+    :func:`members`, where the caller kept them (a followed run of thousands of ranks, at every update)."""
+    m = members(attempts, rank_meta) if m is None or len(m) != len(attempts) else m
     w = worlds(attempts, rank_meta, m)
     all_names = [_node_names(mm, m) for mm in m]
     out = []

@@ -85,22 +85,28 @@ def block_costs(cost: np.ndarray) -> np.ndarray:
 
 def intermittent_flags(n: int, means: np.ndarray, held: np.ndarray, noise: float, floors: Floors, cfg: DetectConfig,
                        ranks: int) -> np.ndarray:  # fmt: skip
-    """Steps x ranks bool (``n`` steps): the steps of each rank's flagged block stretches. ``means``: the whole
-    blocks' :func:`block_means`; ``held``: whether each block holds a costly step (its excess a noticeable share
-    of the step: :func:`block_costs` above the floor's share). ``ranks``: the job's (a job of one rank has no
-    peers)."""
-    r = means.shape[1]
-    out = np.zeros((n, r), dtype=bool)
+    """Steps x ranks bool (``n`` steps): the steps of each rank's flagged block stretches (:func:`stretches`)."""
+    return mark(np.zeros((n, means.shape[1]), dtype=bool), stretches(n, means, held, noise, floors, cfg, ranks))
+
+
+def stretches(n: int, means: np.ndarray, held: np.ndarray, noise: float, floors: Floors, cfg: DetectConfig,
+              ranks: int) -> list[tuple[int, int, int]]:  # fmt: skip
+    """Each rank's flagged block stretches of ``n`` steps, as ``(column, first step, step after the last)``.
+    ``means``: the whole blocks' :func:`block_means`; ``held``: whether each block holds a costly step (its excess
+    a noticeable share of the step: :func:`block_costs` above the floor's share). ``ranks``: the job's (a job of
+    one rank has no peers). Few ranks have any: a live update ORs them into the flags it holds, not a matrix of
+    every step and rank."""
+    found: list[tuple[int, int, int]] = []
     bar = block_bar(noise, floors, cfg)
     if ranks < 2 or n // BLOCK < CONFIRM_BLOCKS or not np.isfinite(bar):
-        return out
-    nb = means.shape[0]
+        return found
+    r, nb = means.shape[1], means.shape[0]
     with np.errstate(invalid="ignore"):
         above = (means > bar) & held
         below = ~(means > bar * cfg.off_ratio)  # NaN (too few steps) counts as no evidence of slowness
     # only a rank above the bar in CONFIRM_BLOCKS blocks in a row can be flagged: the others are not looked at
     runs = np.cumsum(np.vstack([np.zeros((1, r), dtype=np.int64), above]), axis=0)
-    for j in np.flatnonzero((runs[CONFIRM_BLOCKS:] - runs[:-CONFIRM_BLOCKS] >= CONFIRM_BLOCKS).any(axis=0)):
+    for j in np.flatnonzero((runs[CONFIRM_BLOCKS:] - runs[:-CONFIRM_BLOCKS] >= CONFIRM_BLOCKS).any(axis=0)).tolist():
         on, run, start = False, 0, 0
         for k in range(nb):
             if not on:
@@ -110,8 +116,20 @@ def intermittent_flags(n: int, means: np.ndarray, held: np.ndarray, noise: float
             else:
                 run = run + 1 if below[k, j] else 0
                 if run >= cfg.confirm:  # cleared at the end of this block
-                    out[start : (k + 1) * BLOCK, j] = True
+                    found.append((j, start, (k + 1) * BLOCK))
                     on, run = False, 0
         if on:
-            out[start:, j] = True  # still slow at the end (the steps after the last block too)
+            found.append((j, start, n))  # still slow at the end (the steps after the last block too)
+    return found
+
+
+def mark(out: np.ndarray, found: list[tuple[int, int, int]]) -> np.ndarray:
+    """``out`` (steps x ranks bool) with the steps of the stretches ``found`` (:func:`stretches`) set."""
+    for j, start, stop in found:
+        out[start:stop, j] = True
     return out
+
+
+def within(found: list[tuple[int, int, int]], j: int, a: int, b: int | None) -> bool:
+    """Whether a stretch of column ``j`` among ``found`` covers a step of ``a:b`` (``b`` None: to the end)."""
+    return any(c == j and (b is None or start < b) and a < stop for c, start, stop in found)

@@ -62,7 +62,7 @@ from stragglerwatch._quiet import ignoring
 from stragglerwatch.analysis import consistency as cons
 from stragglerwatch.analysis import imbalance as imb
 from stragglerwatch.analysis import workfit
-from stragglerwatch.analysis.attempts import cut_indices, world_cuts, worlds
+from stragglerwatch.analysis.attempts import cut_indices, members, world_cuts, worlds
 from stragglerwatch.analysis.cost import TOP_K
 from stragglerwatch.analysis.detect import (
     StepMatrix,
@@ -75,7 +75,7 @@ from stragglerwatch.analysis.detect import (
 )
 from stragglerwatch.analysis.explain import StepTimes
 from stragglerwatch.analysis.imbalance import recorded
-from stragglerwatch.analysis.intermittent import BLOCK, block_costs, block_means, intermittent_flags
+from stragglerwatch.analysis.intermittent import BLOCK, block_costs, block_means, mark, stretches, within
 from stragglerwatch.analysis.report import (
     RANK_COLUMNS,
     Analysis,
@@ -115,7 +115,7 @@ from stragglerwatch.analysis.thresholds import DetectConfig
 from stragglerwatch.record.collectives import CollectiveReader
 from stragglerwatch.record.context import load_context
 from stragglerwatch.record.rundir import read_rank_meta
-from stragglerwatch.record.schema import GAP_COLUMNS, schema_compatible
+from stragglerwatch.record.schema import GAP_COLUMNS, read_columns, schema_compatible
 from stragglerwatch.record.steplog import RunDirWarning, conform, log_names, read_log, work_unit
 
 SCALAR_RANKS = 256  # ranks the followed run's scalars are estimated from
@@ -163,8 +163,10 @@ def changed(files: Iterable[str | os.PathLike[str]], seen: dict[str, _File]
             yield f, state, st
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def stem(f: str | os.PathLike[str]) -> str:
-    """A log's name without its suffix: the key of its state (thousands of files an update: no ``Path``)."""
+    """A log's name without its suffix: the key of its state (the same thousands of files an update: each found
+    once)."""
     return os.path.splitext(os.path.basename(f))[0]
 
 
@@ -172,13 +174,11 @@ def is_parquet(f: str | os.PathLike[str]) -> bool:
     return os.fspath(f).endswith(".parquet")
 
 
-def read_changed(files: Iterable[str | os.PathLike[str]], seen: dict[str, _File],
-                 keep: Callable[[pa.Table], pa.Table] | None = None,
+def read_changed(files: Iterable[str | os.PathLike[str]], seen: dict[str, _File]
                  ) -> list[tuple[str | os.PathLike[str], pa.Table]] | None:  # fmt: skip
     """The new batches of the step logs among ``files`` that changed since ``seen`` recorded them: a Parquet
     log whole, as this schema's columns; a stream from where the last read stopped, as written (the caller
-    conforms it); each cut by ``keep`` as soon as it is read. None where a stream shrank (rewritten: read the
-    run again)."""
+    conforms it). None where a stream shrank (rewritten: read the run again)."""
     out = []
     for f, state, st in changed(files, seen):
         parquet = is_parquet(f)
@@ -187,8 +187,41 @@ def read_changed(files: Iterable[str | os.PathLike[str]], seen: dict[str, _File]
         table = read_log(Path(f), NAMES, quiet) if parquet else read_new(f, state, schema_compatible, st.st_size)
         state.size, state.mtime = st.st_size, st.st_mtime_ns
         if table is not None:
-            out.append((f, table if keep is None else keep(table)))
+            out.append((f, table))
     return out
+
+
+def read_grouped(files: Iterable[str | os.PathLike[str]], seen: dict[str, _File], rows: int | None = None
+                 ) -> tuple[list[pa.Table], list[pa.Table]] | None:  # fmt: skip
+    """As :func:`read_changed`, in as few tables as the logs have schemas: the Parquet logs' tables (this
+    schema's columns), and the streams' new batches, those written by the same schema in one table of one
+    piece, as written but for the columns not read (the caller conforms each once: thousands of streams an
+    update, a few rows each). With ``rows``, each log is cut to its :func:`recent` rows as soon as it is read.
+    None where a stream shrank."""
+    ready, streams = [], {}
+    for f, state, st in changed(files, seen):
+        if is_parquet(f):
+            table = read_log(Path(f), NAMES, quiet)
+            state.size, state.mtime = st.st_size, st.st_mtime_ns
+            if table is not None:
+                ready.append(table if rows is None else recent(table, rows))
+            continue
+        if st.st_size < state.size:
+            return None
+        batches = read_batches(f, state, schema_compatible, st.st_size)
+        state.size, state.mtime = st.st_size, st.st_mtime_ns
+        if rows is not None and sum(b.num_rows for b in batches) > rows:
+            batches = recent(pa.Table.from_batches(batches), rows).to_batches()
+        if batches:
+            streams.setdefault(state.schema_key, []).extend(batches)
+    return ready, [joined(group) for group in streams.values()]
+
+
+def joined(batches: list[pa.RecordBatch]) -> pa.Table:
+    """Record batches of one schema as a table of one piece (each column one array), of the columns this
+    schema's are made from (``schema.read_columns``: a stream has a few more, lists among them)."""
+    table = pa.Table.from_batches(batches)
+    return table.select(read_columns(table.column_names, NAMES)).combine_chunks()
 
 
 def recent(table: pa.Table, rows: int) -> pa.Table:
@@ -356,7 +389,8 @@ class LiveRun:
         self.previous: tuple[StepMatrix, Verdict, StepTimes] | None = None
         self.others: tuple = ()
         self.rank_meta = read_rank_meta(self.run_dir)
-        self.worlds: tuple[tuple, dict, list[int]] | None = None  # ``_cuts``'s attempts, metadata and worlds
+        # ``_cuts``'s attempts, metadata, their members and worlds
+        self.worlds: tuple[tuple, dict, list[dict[int, dict]], list[int]] | None = None
         roles = {r: m["role"] for r, m in self.rank_meta.items() if m.get("role") is not None}
         self.roles = roles or None
 
@@ -423,11 +457,12 @@ class LiveRun:
         except OSError:  # not a run dir yet: nothing to read
             return None
         folder = os.fspath(self.run_dir)
-        keep = None if self.window is None else functools.partial(recent, rows=self.window + self.slide)
-        read = read_changed([os.path.join(folder, name) for name in names], self.files, keep)
+        read = read_grouped([os.path.join(folder, name) for name in names], self.files,
+                            None if self.window is None else self.window + self.slide)  # fmt: skip
         if read is None:
             raise _Restart
-        tables = self._conform(read)
+        ready, streams = read
+        tables = [*ready, *(t for t in (conform(raw, NAMES, self.run_dir, quiet) for raw in streams) if t is not None)]
         lo: int | None = None
         if tables:
             found = np.unique(np.concatenate([t["rank"].to_numpy() for t in tables])).astype(np.int64)
@@ -458,22 +493,6 @@ class LiveRun:
             work.model = dataclasses.replace(work.model, ref=work.model.ref[k:])
             work.adjusted = work.adjusted.dropped(k, more)
         return max(0, lo - k)
-
-    def _conform(self, read: list[tuple[str | os.PathLike[str], pa.Table]]) -> list[pa.Table]:
-        """The new batches of the streams as this schema's columns: once for all the files written by
-        the same schema (upgrading a small table costs as much as a large one), each column in one piece (a
-        column of thousands of files' batches is read as an array many times)."""
-        out, groups = [], {}
-        for f, t in read:
-            if is_parquet(f):  # read as this schema's columns already
-                out.append(t)
-            else:
-                groups.setdefault(self.files[stem(f)].schema_key, []).append(t)
-        for group in groups.values():
-            t = conform(pa.concat_tables(group), NAMES, self.run_dir, quiet)
-            if t is not None:
-                out.append(t.combine_chunks())
-        return out
 
     def _add_ranks(self, found: np.ndarray) -> int:
         """Columns for ranks seen for the first time (a job's ranks start one after another); the
@@ -572,8 +591,9 @@ class LiveRun:
         attempts = attempt_list(self.offsets, self.last)
         keys = tuple((a["restart"], a["attach"]) for a in attempts)
         if self.worlds is None or self.worlds[0] != keys or self.worlds[1] is not self.rank_meta:
-            self.worlds = (keys, self.rank_meta, worlds(attempts, self.rank_meta))
-        return world_cuts(attempts, self.rank_meta, self.worlds[2])
+            m = members(attempts, self.rank_meta)
+            self.worlds = (keys, self.rank_meta, m, worlds(attempts, self.rank_meta, m))
+        return world_cuts(attempts, self.rank_meta, self.worlds[3])
 
     def _exact(self) -> Analysis:
         mat, start = self._matrix()
@@ -583,8 +603,10 @@ class LiveRun:
 
     def _report(self, mat: StepMatrix, found: Verdict, times: StepTimes) -> Analysis:
         self.previous = (mat, found, times)
+        self._cuts()  # the attempts' members kept
         plan = StepPlan(self.ranks, self.steps, dict(self.offsets), attempt_list(self.offsets, self.last),
-                        {k: dict(v) for k, v in self.last_own.items()})  # fmt: skip
+                        {k: dict(v) for k, v in self.last_own.items()},
+                        self.worlds[2] if self.worlds else None)  # fmt: skip
         if self.context is None or time.monotonic() - self.context_at >= self.slow_every_s or self.settling:
             self.context, self.context_at = load_context(self.run_dir), time.monotonic()
         with ignoring(RunDirWarning):
@@ -659,11 +681,12 @@ class LiveRun:
         # made again): OR-ed here, not kept in the carry
         means, top = self._blocks(lo, n)
         with np.errstate(invalid="ignore"):
-            at_floor = [d[name][:n] | intermittent_flags(n, means, top > x.floors.step_fraction, x.block_noise,
-                                                         x.floors, cfg, x.ranks)
-                        for x, name in zip(levels, ("flags", "classic"), strict=False)]  # fmt: skip
-        classic = at_floor[-1] if len(levels) == 2 else at_floor[0]
-        flags = at_floor[0] | classic
+            spans = [stretches(n, means, top > x.floors.step_fraction, x.block_noise, x.floors, cfg, x.ranks)
+                     for x in levels]  # fmt: skip
+        # the classic floor's flags are the last level's (the only one's where there is one); few ranks have
+        # stretches: they are set in the flags of every level, and looked up for the classic floor's
+        classic = d["classic" if len(levels) == 2 else "flags"][:n]
+        flags = mark(d["flags"][:n] | classic if len(levels) == 2 else d["flags"][:n].copy(), [*spans[0], *spans[-1]])
         never = ~flags.any(axis=0)
         first = 0 if self.never is None or not np.array_equal(never, self.never) else min(lo, at)
         self.never = never
@@ -685,7 +708,8 @@ class LiveRun:
             series = RankSeries(np.ascontiguousarray(d["e"][:n, j]), np.ascontiguousarray(v["busy_s"][:, j]),
                                 mine, full.ref_h[:, g.index[j]], other_max(stats.top_v, stats.top_c, g.index[j], j),
                                 full.peer_phase)  # fmt: skip
-            found += [straggler(int(self.ranks[j]), self.steps, series, a, b, cfg, bool(classic[a:b, j].any()), after)
+            found += [straggler(int(self.ranks[j]), self.steps, series, a, b, cfg,
+                                bool(classic[a:b, j].any()) or within(spans[-1], j, a, b), after)
                       for a, b, after in intervals(flags[:, j], cuts, v["busy_s"][:, j], carry)]  # fmt: skip
         slowdown = d["slowdown"][:n]
         result = verdict(self.ranks, self.steps, found, stats, full, g, cfg, cons.thresholds(self.sc, cfg),  # type: ignore[arg-type]
@@ -886,10 +910,17 @@ def _tail(f: str | os.PathLike[str], offset: int, size: int) -> tuple[pa.NativeF
 
 def read_new(f: str | os.PathLike[str], state: _File, problem: Callable[[pa.Schema], str | None],
              size: int | None = None) -> pa.Table | None:  # fmt: skip
+    """:func:`read_batches` as a table; None when there is none."""
+    batches = read_batches(f, state, problem, size)
+    return pa.Table.from_batches(batches, schema=state.schema) if batches else None
+
+
+def read_batches(f: str | os.PathLike[str], state: _File, problem: Callable[[pa.Schema], str | None],
+                 size: int | None = None) -> list[pa.RecordBatch]:  # fmt: skip
     """The complete record batches of the Arrow stream ``f`` after ``state.offset`` (its schema and offset
     kept in ``state``; a batch being written is read next time), up to ``size`` bytes (default: its size
-    now); None when there is none, or when the stream's schema has a ``problem``."""
-    batches = []
+    now); none when the stream's schema has a ``problem``."""
+    batches: list[pa.RecordBatch] = []
     try:
         size = os.stat(f).st_size if size is None else size
         src, base = _tail(f, state.offset if state.schema is not None else 0, size)
@@ -898,10 +929,10 @@ def read_new(f: str | os.PathLike[str], state: _File, problem: Callable[[pa.Sche
                 try:
                     message = pa.ipc.MessageReader.open_stream(src).read_next_message()
                 except StopIteration:
-                    return None  # created, nothing written yet
+                    return batches  # created, nothing written yet
                 schema = pa.ipc.read_schema(message)
                 if problem(schema):
-                    return None
+                    return batches
                 state.schema, state.offset = schema, base + src.tell()
                 state.schema_key = schema.to_string(show_schema_metadata=False)
             src.seek(state.offset - base)  # after the last complete batch read
@@ -917,8 +948,8 @@ def read_new(f: str | os.PathLike[str], state: _File, problem: Callable[[pa.Sche
                 batches.append(batch)
                 state.offset = base + src.tell()
     except (pa.ArrowException, OSError, EOFError, ValueError):
-        return None
-    return pa.Table.from_batches(batches, schema=state.schema) if batches else None
+        return batches
+    return batches
 
 
 def _stats(d: dict[str, np.ndarray], n: int) -> StepStats:

@@ -395,7 +395,7 @@ def attempts_of(plan: runmatrix.StepPlan, rank_meta: dict[int, dict], events: li
     job that went on with fewer GPUs lost fewer GPU-seconds per second."""
     last_own = {runmatrix.split_key(k): v for k, v in plan.last_own.items()}
     found = describe_attempts(plan.attempts, rank_meta, events, last_own, verdict.step_seconds, verdict.step_lost,
-                              verdict.steps)  # fmt: skip
+                              verdict.steps, plan.members)  # fmt: skip
     if len(found) > 1:
         ran = {int(r): where_ran(dict(m)) for r, m in rank_meta.items()}
         for s in report.stragglers:

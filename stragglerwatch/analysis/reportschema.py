@@ -253,6 +253,8 @@ _OPTIONAL = {"arrivals", "lost_split", "jitter_tax", "run_dir", "events", "attem
 
 
 _SCALARS = frozenset({int, float, str, bool})
+#: Dataclasses whose fields are scalars or None only: a dict of their fields is a copy of their attributes.
+_FLAT = frozenset({RankRow})
 
 
 def _plain(value: Any) -> Any:
@@ -260,6 +262,8 @@ def _plain(value: Any) -> Any:
     its deep copies of every value: a report of thousands of ranks is converted at every live update)."""
     if value is None or type(value) in _SCALARS:  # most values: said first
         return value
+    if type(value) in _FLAT:  # a row per rank: its fields are scalars
+        return value.__dict__.copy()
     if isinstance(value, list):
         return [_plain(v) for v in value]
     if isinstance(value, tuple):

@@ -55,6 +55,8 @@ class StepPlan:
     offsets: dict[int, int]  # attempt key -> what its steps are shifted by
     attempts: list[dict[str, int]]
     last_own: dict[int, dict[int, int]] = field(default_factory=dict)  # attempt key -> rank -> its last step there
+    # per attempt, where its ranks ran (``attempts.members``), where the caller kept it
+    members: list[dict[int, dict[str, Any]]] | None = None
 
 
 def _runs(steps: np.ndarray) -> np.ndarray:
