@@ -93,7 +93,7 @@ BESIDE = frozenset({
     "test_fuzz.py", "test_timing.py", "test_settings.py", "test_simulate_heldout.py", "test_simulate_imbalance.py",
     "test_consistency.py", "test_explain.py", "test_eventlog.py", "test_jittertax.py", "test_reportschema.py",
     "test_traces.py", "test_runmatrix.py", "test_advice.py", "test_attempts.py", "test_layers.py",
-    "test_torchlogs.py", "test_arrowcols.py", "test_no_torch.py", "test_context.py", "test_cli_memory.py",
+    "test_torchlogs.py", "test_arrowcols.py", "test_no_torch.py", "test_context.py", "test_memory.py",
 })  # fmt: skip
 
 

@@ -29,7 +29,8 @@ ALLOWED: dict[str, set[str]] = {
     "api": {"presentation", "evidence", "analysis", "record", "runtime"},  # analyze(): the analysis entry point
     "__main__": {"cli"},
 }
-FOUNDATION = {"_version", "_extras", "_compat", "_units", "_quiet"}  # import nothing of ours; anything may import them
+#: import nothing of ours; anything may import them
+FOUNDATION = {"_version", "_extras", "_compat", "_units", "_quiet", "_memory"}
 #: inside ``runtime``: sub-package (or top module) -> the sub-packages it may import besides itself and
 #: ``runtime.log`` (the problem reporter every part uses). ``runtime.watch`` (``attach``) alone assembles them.
 RUNTIME_ALLOWED: dict[str, set[str]] = {

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from stragglerwatch._memory import for_analysis
 from stragglerwatch._version import __version__
-from stragglerwatch.cli.memory import avoid_compaction_stalls
 from stragglerwatch.presentation.summary import render_summary, summary_dict
 from stragglerwatch.record.steplog import RunDirError
 
@@ -545,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stragglerwatch {args.command}: error: {why}", file=sys.stderr)
         return 2
     warnings.showwarning = _show_warning
-    avoid_compaction_stalls()  # the process is ours: no kernel stall on each large array (memory.py)
+    for_analysis()  # the process is ours: no stall on its memory (stragglerwatch/_memory.py)
     try:
         return args.func(args)
     except RunDirError as exc:

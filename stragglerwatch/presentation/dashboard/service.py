@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+from stragglerwatch._memory import for_analysis
 from stragglerwatch.analysis.live import window_problem
 from stragglerwatch.presentation.dashboard.app import RunRefused, create_app, url_run
 from stragglerwatch.presentation.dashboard.sources import PrometheusSource, RunDirSource
@@ -283,6 +284,7 @@ def create_server(service: Service, title: str = "stragglerwatch") -> Any:
 def server_from_env(env: Mapping[str, str] | None = None) -> Any:
     """The service's WSGI app as the environment configures it. A configuration that cannot work is one
     line on stderr, and the page says it (and follows once a missing root appears) instead of failing."""
+    for_analysis()  # the process is ours: no stall on its memory (stragglerwatch/_memory.py)
     try:
         service = Service(ServiceConfig.from_env(env))
     except ConfigError as exc:
