@@ -1,7 +1,7 @@
 """Time a user waits for the dashboard on a large live run (not a pytest test).
 
-1. ``end-to-end`` (a live run): a simulated run of 1,024 ranks is written as a job writes it, one
-   Arrow stream per rank, ``--first`` steps and then a flush of ``--flush-steps`` more steps to
+1. ``end-to-end`` (a live run): a simulated run of 1,024 ranks is written as a job writes it (from a
+   process of its own), one Arrow stream per rank, ``--first`` steps and then a flush of ``--flush-steps`` more steps to
    every rank at a time, up to ``--steps`` (2,000 to 10,000 by default). The dashboard's run-dir
    source follows it on its own thread, polling every ``--poll`` s. For every flush the path a
    user waits for is timed: from the flush on disk until the source holds the updated analysis,
@@ -33,17 +33,20 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import multiprocessing
 import random
 import resource
 import statistics
 import tempfile
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
 import plotly.io as pio
 from plotly.utils import PlotlyJSONEncoder
 
+from stragglerwatch._memory import for_analysis
 from stragglerwatch.analysis.detect import detect, to_matrix
 from stragglerwatch.analysis.live import LiveRun
 from stragglerwatch.analysis.report import Analysis, RankFigures, analyze_run, build_report
@@ -104,11 +107,43 @@ def resident_gib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def _write(run: Path, cfg: SimConfig, asks: Connection) -> None:
+    """The job: flushes the run up to each step it is sent, answering when the flush is on disk; None ends it."""
+    grower = GrowingRun(run, cfg)
+    while (upto := asks.recv()) is not None:
+        grower.flush(upto)
+        asks.send(upto)
+    grower.close()
+    asks.send(None)
+
+
+class Job:
+    """A simulated job writing its run dir from a process of its own, as a job's ranks do: written from the
+    dashboard's process, a flush (a quarter of a second at 4,096 ranks) took turns with the source's update for
+    the interpreter, and each slowed the other."""
+
+    def __init__(self, run: Path, cfg: SimConfig) -> None:
+        self._asks, theirs = multiprocessing.get_context("spawn").Pipe()
+        self._process = multiprocessing.get_context("spawn").Process(target=_write, args=(run, cfg, theirs),
+                                                                     daemon=True)  # fmt: skip
+        self._process.start()
+
+    def flush(self, upto: int) -> None:
+        self._asks.send(upto)
+        if not self._asks.poll(600) or self._asks.recv() != upto:
+            raise SystemExit(f"end-to-end: the job did not write its flush up to step {upto}")
+
+    def close(self) -> None:
+        self._asks.send(None)
+        self._asks.poll(60)
+        self._process.join(60)
+
+
 def end_to_end(cfg: SimConfig, first: int, flush_steps: int, poll_s: float, steps_kept: int | None = None,
                ahead_too: bool = True) -> None:  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        grower = GrowingRun(run, cfg)
+        grower = Job(run, cfg)
         grower.flush(first)
         t0 = time.perf_counter()
         whole = analyze_run(run)
@@ -193,7 +228,7 @@ def small(flush_steps: int, poll_s: float, ranks: int = 256, steps: int = 1200, 
                     injections=[Injection(17, 0.05, onset, "compute")])  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        grower = GrowingRun(run, cfg)
+        grower = Job(run, cfg)
         grower.flush(onset - 100)
         source = RunDirSource(run, interval_s=poll_s).start()
         named, shown = None, None
@@ -250,6 +285,7 @@ def main() -> None:
                    help="mean tokens a rank a step: every rank its own batch each step (variable work, recorded "
                         "per step; the followed run is adjusted for it); default 0: no work recorded")  # fmt: skip
     args = p.parse_args()
+    for_analysis()  # as the dashboard's process (the command, the service) sets its memory
     if args.part == "small":
         small(args.flush_steps, args.poll)
         return
