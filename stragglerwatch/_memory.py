@@ -22,6 +22,7 @@ the allocator's settings stay the user's.
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 from pathlib import Path
 
@@ -38,6 +39,15 @@ def selected(text: str) -> str | None:
         if word.startswith("[") and word.endswith("]"):
             return word[1:-1]
     return None
+
+
+@functools.lru_cache(maxsize=4)
+def huge_pages_stall(defrag: Path = DEFRAG) -> bool:
+    """Whether the kernel compacts memory at the page fault of a region advised for huge pages (read once)."""
+    try:
+        return selected(defrag.read_text()) in STALLS
+    except OSError:
+        return False
 
 
 def avoid_compaction_stalls(defrag: Path = DEFRAG) -> bool:

@@ -27,6 +27,14 @@ def advice():
     multiarray._set_madvise_hugepage(before)
 
 
+def _defrag(tmp_path: Path, setting: str) -> Path:
+    """A ``transparent_hugepage/defrag`` file selecting ``setting``."""
+    words = ["always", "defer", "defer+madvise", "madvise", "never"]
+    defrag = tmp_path / "defrag"
+    defrag.write_text(" ".join(f"[{w}]" if w == setting else w for w in words) + "\n")
+    return defrag
+
+
 def test_the_selected_setting_is_the_bracketed_word() -> None:
     assert selected("always defer defer+madvise [madvise] never\n") == "madvise"
     assert selected("[always] madvise never") == "always"
@@ -37,9 +45,7 @@ def test_the_selected_setting_is_the_bracketed_word() -> None:
 @pytest.mark.parametrize(("setting", "stalls"), [("always", True), ("madvise", True), ("defer+madvise", True),
                                                  ("defer", False), ("never", False)])  # fmt: skip
 def test_advice_is_off_only_where_a_fault_compacts_memory(tmp_path: Path, advice, setting: str, stalls: bool) -> None:
-    words = ["always", "defer", "defer+madvise", "madvise", "never"]
-    defrag = tmp_path / "defrag"
-    defrag.write_text(" ".join(f"[{w}]" if w == setting else w for w in words) + "\n")
+    defrag = _defrag(tmp_path, setting)
     assert avoid_compaction_stalls(defrag) is stalls
     assert advice() is not stalls
 
@@ -90,3 +96,14 @@ def test_fast_bins_go_off_in_a_glibc_process() -> None:
 
 def test_another_c_library_is_left_as_it_is() -> None:
     assert avoid_consolidation_stalls("musl") is False
+
+
+@pytest.mark.parametrize(("setting", "stalls"), [("always", True), ("madvise", True), ("defer+madvise", True),
+                                                 ("defer", False), ("never", False)])  # fmt: skip
+def test_a_window_s_copy_asks_for_huge_pages_only_where_they_come_without_a_stall(tmp_path: Path, setting: str,
+                                                                                   stalls: bool) -> None:  # fmt: skip
+    from stragglerwatch._memory import huge_pages_stall
+
+    defrag = _defrag(tmp_path, setting)
+    assert huge_pages_stall(defrag) is stalls
+    assert huge_pages_stall(tmp_path / "missing") is False
