@@ -54,7 +54,7 @@ def avoid_compaction_stalls(defrag: Path = DEFRAG) -> bool:
     """Turn numpy's huge-page advice off where the kernel would stall on it; whether it did. Never raises: a
     kernel without the setting, or a numpy without the switch, leaves everything as it was."""
     try:
-        if selected(defrag.read_text()) not in STALLS:
+        if not huge_pages_stall(defrag):
             return False
         try:
             from numpy._core import multiarray
@@ -65,7 +65,7 @@ def avoid_compaction_stalls(defrag: Path = DEFRAG) -> bool:
             return False
         switch(False)
         return True
-    except Exception:  # OSError (no such file), or a numpy that refuses: nothing is changed
+    except Exception:  # a numpy that refuses: nothing is changed
         return False
 
 

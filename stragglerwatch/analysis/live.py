@@ -591,14 +591,18 @@ class LiveRun:
         return StepMatrix(self.ranks, self.steps, values, work_unit=self.unit, cuts=self._cuts()), start
 
     def _cuts(self) -> tuple[int, ...]:
-        """Where a new world begins; the attempts' worlds kept while the attempts and the ranks' metadata are
-        the same (they read every rank's metadata)."""
+        """Where a new world begins."""
         attempts = attempt_list(self.offsets, self.last)
+        return world_cuts(attempts, self.rank_meta, self._worlds(attempts)[1])
+
+    def _worlds(self, attempts: list[dict[str, int]]) -> tuple[list[dict[int, dict]], list[int]]:
+        """The attempts' members and worlds, kept while the attempts and the ranks' metadata are the same (they
+        read every rank's metadata)."""
         keys = tuple((a["restart"], a["attach"]) for a in attempts)
         if self.worlds is None or self.worlds[0] != keys or self.worlds[1] is not self.rank_meta:
             m = members(attempts, self.rank_meta)
             self.worlds = (keys, self.rank_meta, m, worlds(attempts, self.rank_meta, m))
-        return world_cuts(attempts, self.rank_meta, self.worlds[3])
+        return self.worlds[2], self.worlds[3]
 
     def _exact(self) -> Analysis:
         mat, start = self._matrix()
@@ -608,10 +612,9 @@ class LiveRun:
 
     def _report(self, mat: StepMatrix, found: Verdict, times: StepTimes) -> Analysis:
         self.previous = (mat, found, times)
-        self._cuts()  # the attempts' members kept
-        plan = StepPlan(self.ranks, self.steps, dict(self.offsets), attempt_list(self.offsets, self.last),
-                        {k: dict(v) for k, v in self.last_own.items()},
-                        self.worlds[2] if self.worlds else None)  # fmt: skip
+        attempts = attempt_list(self.offsets, self.last)
+        plan = StepPlan(self.ranks, self.steps, dict(self.offsets), attempts,
+                        {k: dict(v) for k, v in self.last_own.items()}, self._worlds(attempts)[0])  # fmt: skip
         if self.context is None or time.monotonic() - self.context_at >= self.slow_every_s or self.settling:
             self.context, self.context_at = load_context(self.run_dir), time.monotonic()
         with ignoring(RunDirWarning):
