@@ -15,7 +15,7 @@ from conftest import ROOT
 from torch import nn
 
 import stragglerwatch
-from stragglerwatch.analysis.hangs import classify, hangs_from_events
+from stragglerwatch.analysis.hangs import classify, confirm, hangs_from_events
 from stragglerwatch.record.events import read_events
 from stragglerwatch.runtime.hangs.peers import PeerBoard
 
@@ -115,6 +115,30 @@ def test_counts_cycle_silence_mismatch_and_a_device_hang() -> None:
     # a rank that reported no counts: the phases decide, as before
     mixed = classify({0: st(4, W, **{"0": 11}), 1: {"step": 4, "phase": "data_wait"}}, 2)
     assert mixed["basis"] == "phases" and mixed["culprit_ranks"] == [1]
+
+
+def test_a_rank_with_nothing_pending_is_behind_with_the_silent() -> None:
+    """gloo, two ranks: rank 0 compiles after its step (every collective it issued completed) and notices
+    its own stall before rank 1, waiting for it in a barrier, has said anything for this stall. Blaming the
+    silent rank alone would have the busy rank's policy end the job when rank 1's process sat quiet."""
+    own = {"step": 13, "phase": "data_wait", "collectives": {"0": 20}, "completed": {"0": 20}}
+    v = classify({0: own, 1: None}, 2)
+    assert (v["culprit_ranks"], v["victim_ranks"], v["silent_ranks"]) == ([0, 1], [], [1])
+    assert v["phase"] == "data_wait"
+    # the same rank blocked in the barrier its peer never joined (a killed peer): the silent one alone
+    waits = {"step": 13, "phase": "collective_wait", "collectives": {"0": 21}, "completed": {"0": 20}}
+    v = classify({0: waits, 1: None}, 2)
+    assert (v["culprit_ranks"], v["victim_ranks"]) == ([1], [0])
+    # NCCL: the host at a sync in any phase, the GPU inside a collective: a victim, whatever it completed
+    gpu = {**own, "phase": "other", "device": {"step": 13, "phase": "allreduce_wait"}}
+    assert classify({0: gpu, 1: None}, 2)["culprit_ranks"] == [1]
+    # completions not tracked (older PyTorch): the silence rule as before
+    assert classify({0: {**own, "completed": None}, 1: None}, 2)["culprit_ranks"] == [1]
+    # the policy on rank 0 then asks its own note too: busy, so no action
+    verdict = classify({0: own, 1: None}, 2)
+    notes = {0: {"at": 100.0, "quiet_s": 0.1, "doing": "CPU 103% of a core"}, 1: {"at": 90.0, "quiet_s": 0.0}}
+    decision = confirm(verdict, notes, 100.0, 2.0, began=85.0, local={1: 15.0})
+    assert not decision["act"] and "rank 0: CPU 103%" in decision["why"]
 
 
 def test_local_verdict_ignores_counts() -> None:

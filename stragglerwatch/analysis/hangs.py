@@ -106,6 +106,18 @@ def _waiting(state: dict[str, Any]) -> bool:
     return state.get("phase") in WAITING or (device is not None and device["phase"] in WAITING)
 
 
+def _owes_nothing(state: dict[str, Any]) -> bool:
+    """Every collective it issued has completed (where that is known), and its GPU, where known, is not in
+    one: nothing of the others' can hold it, so its stall is its own (a checkpoint, a compile, its loader)."""
+    issued, completed = state.get("collectives") or {}, state.get("completed")
+    if not issued or not isinstance(completed, dict):
+        return False
+    done = {str(g): int(c) for g, c in completed.items()}
+    device = _device(state)
+    return all(done.get(str(g), -1) >= int(c) for g, c in issued.items()) and (
+        device is None or device["phase"] not in WAITING)
+
+
 def _undecided(alive: dict[int, dict[str, Any]]) -> str:
     """What was compared, for a verdict that names nobody."""
     def counts(s: dict[str, Any], key: str) -> str:
@@ -128,7 +140,8 @@ def classify(states: dict[int, dict[str, Any] | None], world_size: int) -> dict[
     where known, what it completed (:data:`PROGRESS_KEYS`); None: nothing heard.
 
     The rules, in order, each used only where it decides: the collectives each rank *issued* per
-    group, then the silent ranks (the others issued the same and wait for them), the collectives
+    group, then the silent ranks (the others issued the same and wait for them; a rank all of whose
+    collectives completed waits for nobody and is behind with them), the collectives
     *started* and *completed* per group (on NCCL a stuck GPU leaves the issued counts equal), where
     each GPU is (inside a collective or not), and last the host phases. ``basis`` names the rule;
     where none decides, ``basis`` is ``undecided``, ``culprit_ranks`` holds only silent ranks, and
@@ -140,8 +153,9 @@ def classify(states: dict[int, dict[str, Any] | None], world_size: int) -> dict[
                 "basis": "silence", "undecided": False}  # fmt: skip
     counted = all(s.get("collectives") for s in alive.values())
     stuck, basis = _by_counts(alive, "collectives"), "collective counts"
-    if stuck is None and counted and silent:  # every rank that spoke issued the same: they wait for the silent
-        stuck = []
+    if stuck is None and counted and silent:  # every rank that spoke issued the same: they wait for the silent,
+        # all but those with nothing pending (a lone rank that noticed its own pause before its peers spoke)
+        stuck = [r for r, s in alive.items() if _owes_nothing(s)]
     for key, name in COUNT_RULES[1:]:
         if stuck is None:
             stuck, basis = _by_counts(alive, key), name
