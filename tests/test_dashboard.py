@@ -439,3 +439,26 @@ def test_content_that_failed_to_be_made_is_made_again_at_the_next_ask() -> None:
         ahead.content(Source(), Source.snap, 3)
     assert ahead.content(Source(), Source.snap, 3) == {"rank": 3}
     assert ahead.content(Source(), Source.snap, 3) == {"rank": 3} and calls == [3, 3]
+
+
+def test_a_poll_in_the_middle_of_a_flush_publishes_nothing_and_polls_again_soon(tmp_path: Path) -> None:
+    """The ranks write a flush one after another: a poll that finds part of it publishes no new version (the
+    rows wait for the rest), and the source polls again sooner than its period, for the rest."""
+    from stragglerwatch.record.simulate import GrowingRun, SimConfig
+
+    run = GrowingRun(tmp_path / "run", SimConfig(ranks=6, steps=200, seed=2))
+    run.flush(100)
+    source = RunDirSource(tmp_path / "run", interval_s=0.5)
+    source.live.hold_s = 30.0
+    source.refresh()
+    first = source.snapshot()
+    assert first.analysis.report["steps"] == 100 and source._wait_s() == 0.5
+    run.flush(120, ranks=range(3))
+    source.refresh()
+    assert source.snapshot().version == first.version and source._wait_s() == pytest.approx(0.1)
+    # a rank that stopped writing: a few early polls, then the period again
+    assert [source._wait_s() for _ in range(3)] == pytest.approx([0.1, 0.1, 0.5])
+    run.flush(120)
+    source.refresh()
+    assert source.snapshot().version == first.version + 1 and source.snapshot().analysis.report["steps"] == 120
+    assert source._wait_s() == 0.5

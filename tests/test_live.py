@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +52,7 @@ def test_late_ranks_a_restart_and_a_batch_cut_in_half(tmp_path):
     cfg = SimConfig(ranks=12, steps=400, seed=9, injections=[Injection(7, 0.3, 100, "optimizer")])
     out = tmp_path / "run"
     run = GrowingRun(out, cfg)
-    live = LiveRun(out)
+    live = LiveRun(out, hold_s=0.0)  # one rank's flush is followed at once (not held for the others')
     run.flush(60, ranks=range(6))  # half the ranks have flushed, the rest have not started
     live.update()
     assert live.analysis.report["ranks_seen"] == 6
@@ -80,6 +81,39 @@ def test_late_ranks_a_restart_and_a_batch_cut_in_half(tmp_path):
     assert (7, "optimizer") in _flagged(live)
     live.update()
     assert live.exact and _same(live, out)
+
+
+def test_a_flush_that_some_ranks_have_written_waits_for_the_others(tmp_path):
+    """A poll in the middle of a flush (the ranks write it one after another) holds its rows back until every rank
+    has written them, or ``hold_s`` has passed (a rank that stopped writing holds nothing back for longer)."""
+    cfg = SimConfig(ranks=8, steps=400, seed=3, injections=[Injection(5, 0.3, 100, "compute")])
+    run = GrowingRun(tmp_path / "run", cfg)
+    live = LiveRun(tmp_path / "run", hold_s=30.0)
+    run.flush(200)
+    assert live.update() and live.analysis.report["steps"] == 200
+    before = live.analysis
+    run.flush(240, ranks=range(5))
+    assert not live.update() and live.analysis is before and not live.exact  # read, held back
+    assert not live.update()  # nothing new, the rest of the flush still to come: still held, not settled
+    run.flush(240)
+    assert live.update() and live.analysis.report["steps"] == 240
+    assert [r["steps"] for r in live.analysis.report["ranks"]] == [240] * 8
+    # a rank that stops writing: the others' rows are followed once the hold has passed
+    live.hold_s = 0.2
+    run.flush(280, ranks=range(1, 8))
+    assert not live.update()
+    time.sleep(0.25)
+    assert live.update() and live.analysis.report["steps"] == 280
+    assert live.analysis.report["ranks"][0]["steps"] == 240 and live.analysis.report["ranks"][1]["steps"] == 280
+    # the next rows of those ranks, the rank still silent: held again, again at most ``hold_s``
+    run.flush(300, ranks=range(1, 8))
+    assert not live.update()
+    time.sleep(0.25)
+    assert live.update() and live.analysis.report["steps"] == 300
+    run.flush(400)
+    live.update()
+    assert live.update() or live.exact
+    assert live.exact and _same(live, tmp_path / "run")
 
 
 def test_late_ranks_in_a_run_with_uneven_work(tmp_path):

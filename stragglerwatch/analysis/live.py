@@ -5,7 +5,11 @@ and detection moves on from where it was instead of starting over.
   skipped, the complete new ones scattered into the steps x ranks arrays (``runmatrix``'s, grown
   as steps arrive). A stream compacted into Parquet at close is read once; a record that repeats
   what is known changes nothing. What the incremental path cannot follow (a new rank, a new
-  attempt, a step inside the known range, a file that shrank) starts the arrays over.
+  attempt, a step inside the known range, a file that shrank) starts the arrays over. The ranks of a
+  job write a flush one after another: rows that not every rank of the current attempt has written yet
+  are held back from the detection until they have (or ``hold_s``, a second, has passed: a rank that
+  stops writing holds nothing back for longer), so that a poll in the middle of a flush costs a read,
+  not a detection made again at the next poll.
 - **Detection** (``stages``, ``consistency``): the per-step stage and the rolling medians are
   computed for the steps that changed; the consistency rule resumes from its state saved before
   them (every 256 steps). Its job-wide scalars (noise, skew, variance, offset spread) are
@@ -126,6 +130,8 @@ SCALAR_RANKS = 256  # ranks the followed run's scalars are estimated from
 SLIDE = 256
 #: The least window: many times the rule's longest look back (``DetectConfig.level_window``).
 MIN_WINDOW = 1024
+#: New rows wait this long at most for the rest of their flush (``LiveRun._held``).
+HOLD_S = 1.0
 
 
 def window_problem(steps: int) -> str | None:
@@ -348,8 +354,9 @@ class LiveRun:
 
     def __init__(self, run_dir: str | Path, config: DetectConfig | None = None, regrow: float = 0.10,
                  slow_every_s: float = 10.0, settle_after_s: float = 0.0, fit_in_background: bool = True,
-                 window: int | None = None):  # fmt: skip
+                 window: int | None = None, hold_s: float = HOLD_S):  # fmt: skip
         self.run_dir = Path(run_dir)
+        self.hold_s = hold_s  # new rows wait at most this long for the rest of their flush (``_held``)
         self.window = None if window is None else max(MIN_WINDOW, int(window))  # steps kept (None: every step)
         self.slide = SLIDE if window is None else max(SLIDE, self.window // 4 // SLIDE * SLIDE)  # rows dropped at once
         self.fit_in_background = fit_in_background
@@ -392,6 +399,8 @@ class LiveRun:
         self.jitter_job: _Jitter | None = None  # a projection running beside the updates
         self.settling = False
         self.previous: tuple[StepMatrix, Verdict, StepTimes] | None = None
+        self.pending: int | None = None  # the first row changed by updates held back (``_held``)
+        self.frontier, self.followed_at = -1, 0.0  # the last complete step at the last detection, and when
         self.others: tuple = ()
         self.rank_meta = read_rank_meta(self.run_dir)
         # ``_cuts``'s attempts, metadata, their members and worlds
@@ -425,17 +434,28 @@ class LiveRun:
             self.restarts += 1
             self._reset()
             lo = self._ingest()
-        if lo is None and report_again and self.previous is not None:  # a new event or stack dump
-            self.analysis = self._report(*self.previous)
+        if lo is not None:
+            self.exact = False
+            if self._held():
+                self.pending, lo = lo, None
+                self.came = [*self.came[-8:], time.monotonic()]
+        elif self.pending is not None and not self._held():
+            lo = self.pending
+        if lo is not None:
+            self.pending = None
+        reported = lo is None and report_again and self.previous is not None
+        if reported:  # a new event or stack dump
+            self.analysis = self._report(*self.previous)  # type: ignore[misc]
             if self.exact:
                 return True
         if lo is None:  # nothing new: settle on the exact analysis of all the data, once the run is quiet
-            if self.exact or not self.data.n or not self._quiet():
-                return False
+            if self.exact or self.pending is not None or not self.data.n or not self._quiet():
+                return reported
             self.settling = True
             try:
                 self.wait_for_fit()  # one after the other: a fit's memory and the whole run's analysis' do not add up
                 self.analysis = self._exact()
+                self.frontier, self.followed_at = self._complete(), time.monotonic()
             finally:
                 self.settling = False
             self.exact = True
@@ -443,7 +463,23 @@ class LiveRun:
         self.analysis = self._follow(lo)
         self.exact = False
         self.came = [*self.came[-8:], time.monotonic()]
+        self.frontier, self.followed_at = self._complete(), time.monotonic()
         return True
+
+    def _complete(self) -> int:
+        """The last step every rank of the current attempt has written (run numbering; -1: none)."""
+        own = self.last_own.get(max(self.offsets), {}) if self.offsets else {}
+        return min(own.values(), default=-1)
+
+    def _held(self) -> bool:
+        """Whether new rows wait for the rest of their flush: no step became complete (written by every rank of
+        the current attempt) since the last detection, which was less than ``hold_s`` ago. The ranks of a job
+        write a flush one after another: a poll in the middle of one would detect on the steps of some ranks, and
+        the next poll on the same steps again. A rank that stops writing (a hang, a crash) holds nothing back
+        for longer: the rows are followed at most ``hold_s`` late."""
+        if self.previous is None or self.settling:
+            return False
+        return self._complete() <= self.frontier and time.monotonic() - self.followed_at < self.hold_s
 
     def _quiet(self) -> bool:
         """Whether nothing new has come for ``settle_after_s``, or three of the run's usual gaps between two
@@ -476,6 +512,8 @@ class LiveRun:
         for table in tables:
             row = self._scatter(table)
             lo = row if lo is None or (row is not None and row < lo) else lo
+        if lo is not None and self.pending is not None:  # rows held back by an earlier update (``_held``)
+            lo = min(lo, self.pending)
         return lo if lo is None else self._slide(lo)
 
     def _slide(self, lo: int) -> int:

@@ -75,8 +75,12 @@ class _Source:
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.wait(self._wait_s()):
             self.refresh()
+
+    def _wait_s(self) -> float:
+        """Seconds until the next poll."""
+        return self.interval_s
 
     def stop(self) -> None:
         self._stop.set()
@@ -85,6 +89,8 @@ class _Source:
 #: A followed run is analysed whole once nothing new has come for this long (and three of its usual gaps between
 #: flushes): a job between two flushes, polled every half second, would otherwise be analysed whole after each.
 SETTLE_AFTER_S = 2.0
+#: Polls in a row, a fifth of the period apart, after a poll that found part of a flush.
+EARLY_POLLS = 3
 
 
 class RunDirSource(_Source):
@@ -98,8 +104,16 @@ class RunDirSource(_Source):
         super().__init__(interval_s)
         self.run_dir = Path(run_dir)
         self.live = LiveRun(self.run_dir, settle_after_s=settle_after_s, window=window)
+        self._early = 0  # polls in a row that found rows held back
         held = f" (its last {self.live.window:,} steps)" if self.live.window is not None else ""
         self.label = f"{self.run_dir}{held}"
+
+    def _wait_s(self) -> float:
+        """A poll that found part of a flush (the ranks write it one after another; ``LiveRun`` holds its rows
+        back) polls again soon, for the rest: :data:`EARLY_POLLS` times at most, then at its period (a rank that
+        stopped writing holds rows back at every flush, and each poll looks at every log)."""
+        self._early = self._early + 1 if self.live.pending is not None else 0
+        return self.interval_s / 5 if 0 < self._early <= EARLY_POLLS else self.interval_s
 
     def _load(self) -> tuple[Analysis | None, list[dict[str, Any]] | None, bool]:
         if not self.live.update():
