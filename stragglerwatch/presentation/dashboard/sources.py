@@ -112,11 +112,12 @@ class RunDirSource(_Source):
         """A poll that found part of a flush (the ranks write it one after another; ``LiveRun`` holds its rows
         back) polls again soon, for the rest: :data:`EARLY_POLLS` times at most, then at its period (a rank that
         stopped writing holds rows back at every flush, and each poll looks at every log)."""
-        self._early = self._early + 1 if self.live.pending is not None else 0
         return self.interval_s / 5 if 0 < self._early <= EARLY_POLLS else self.interval_s
 
     def _load(self) -> tuple[Analysis | None, list[dict[str, Any]] | None, bool]:
-        if not self.live.update():
+        changed = self.live.update()
+        self._early = self._early + 1 if self.live.pending is not None else 0
+        if not changed:
             return None, None, False
         events, _ = read_events(self.run_dir)
         return self.live.analysis, events, True
